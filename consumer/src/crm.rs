@@ -1,0 +1,97 @@
+//! The CRM boundary. [`Crm`] is what the consumer needs from a destination; [`LocalCrm`] is the
+//! store in the consumer's own database, which can join the batch transaction and so gives
+//! "inbox row and task commit together". A remote CRM (unknown outcomes, readback) implements the
+//! same trait outside the transaction, with its own ledger.
+
+use sqlx::PgConnection;
+
+/// One task to create: the verified action.
+#[derive(Debug, Clone)]
+pub struct TaskRequest {
+    pub operation_key: String,
+    pub payload_hash: String,
+    pub payload: serde_json::Value,
+    pub approved_by: String,
+}
+
+/// What the CRM did for one request (the receiver contract of seed 000).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TaskOutcome {
+    /// A new task.
+    Created { task_id: i64 },
+    /// The CRM already held this key with the same content: the existing task is returned.
+    Existing { task_id: i64 },
+    /// The CRM holds different content for this key: a person must decide.
+    Conflict { task_id: i64 },
+}
+
+/// Why the CRM call failed as a whole. Transient: the batch is retried.
+#[derive(Debug, thiserror::Error)]
+pub enum CrmError {
+    #[error("CRM store database error")]
+    Database(#[from] sqlx::Error),
+}
+
+/// A destination that creates one task per operation key.
+pub trait Crm: Send + Sync {
+    /// Creates tasks for `requests`, in the consumer's transaction `conn`. Returns one outcome per
+    /// request, in order. Must be idempotent per key.
+    fn create_tasks(
+        &self,
+        conn: &mut PgConnection,
+        requests: &[TaskRequest],
+    ) -> impl Future<Output = Result<Vec<TaskOutcome>, CrmError>> + Send;
+}
+
+/// The CRM store in the consumer's database (`handoff_consumer.crm_task`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LocalCrm;
+
+impl Crm for LocalCrm {
+    async fn create_tasks(
+        &self,
+        conn: &mut PgConnection,
+        requests: &[TaskRequest],
+    ) -> Result<Vec<TaskOutcome>, CrmError> {
+        // The unique constraint on operation_key decides; ON CONFLICT keeps the transaction alive.
+        const CREATE_TASKS: &str = r#"
+            INSERT INTO handoff_consumer.crm_task (operation_key, payload_hash, payload, approved_by)
+            SELECT * FROM UNNEST($1::text[], $2::text[], $3::jsonb[], $4::text[])
+            ON CONFLICT (operation_key) DO NOTHING
+            RETURNING operation_key, task_id"#;
+        const EXISTING_TASKS: &str = r#"
+            SELECT operation_key, task_id, payload_hash FROM handoff_consumer.crm_task
+             WHERE operation_key = ANY($1::text[])"#;
+        if requests.is_empty() {
+            return Ok(Vec::new());
+        }
+        let keys: Vec<&str> = requests.iter().map(|r| r.operation_key.as_str()).collect();
+        let created: Vec<(String, i64)> = sqlx::query_as(CREATE_TASKS)
+            .bind(&keys)
+            .bind(requests.iter().map(|r| r.payload_hash.as_str()).collect::<Vec<_>>())
+            .bind(requests.iter().map(|r| r.payload.clone()).collect::<Vec<_>>())
+            .bind(requests.iter().map(|r| r.approved_by.as_str()).collect::<Vec<_>>())
+            .fetch_all(&mut *conn)
+            .await?;
+        let created: std::collections::HashMap<String, i64> = created.into_iter().collect();
+        let existing: std::collections::HashMap<String, (i64, String)> = if created.len() < requests.len() {
+            let rows: Vec<(String, i64, String)> =
+                sqlx::query_as(EXISTING_TASKS).bind(&keys).fetch_all(&mut *conn).await?;
+            rows.into_iter().map(|(k, id, h)| (k, (id, h))).collect()
+        } else {
+            Default::default()
+        };
+        Ok(requests
+            .iter()
+            .map(|r| match created.get(&r.operation_key) {
+                Some(&task_id) => TaskOutcome::Created { task_id },
+                None => match existing.get(&r.operation_key) {
+                    Some((task_id, hash)) if *hash == r.payload_hash => TaskOutcome::Existing { task_id: *task_id },
+                    Some((task_id, _)) => TaskOutcome::Conflict { task_id: *task_id },
+                    // Unreachable: a conflicting insert implies a visible row in this transaction.
+                    None => TaskOutcome::Conflict { task_id: -1 },
+                },
+            })
+            .collect())
+    }
+}

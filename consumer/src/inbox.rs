@@ -1,0 +1,148 @@
+//! The consumer's tables: inbox (dedup by operation key), review and dead-letter. Every statement is
+//! batched (`UNNEST`) and runs inside the batch transaction the caller passes in.
+
+use std::collections::{HashMap, HashSet};
+
+use sqlx::{PgConnection, PgPool};
+
+/// A verified message to record in the inbox.
+#[derive(Debug, Clone)]
+pub struct Arrival {
+    pub operation_key: String,
+    pub payload_hash: String,
+    pub stream_sequence: i64,
+}
+
+/// Inserts arrivals whose key is new and returns those keys. A key already present (a redelivery,
+/// a re-publish after the broker forgot the id, or a conflicting payload) is left untouched.
+pub async fn insert_new_arrivals(
+    conn: &mut PgConnection,
+    arrivals: &[Arrival],
+) -> Result<HashSet<String>, sqlx::Error> {
+    const INSERT_NEW_ARRIVALS: &str = r#"
+        INSERT INTO handoff_consumer.inbox (operation_key, payload_hash, stream_sequence, outcome)
+        SELECT k, h, s, 'task_created' FROM UNNEST($1::text[], $2::text[], $3::bigint[]) AS u(k, h, s)
+        ON CONFLICT (operation_key) DO NOTHING
+        RETURNING operation_key"#;
+    let keys: Vec<&str> = arrivals.iter().map(|a| a.operation_key.as_str()).collect();
+    let hashes: Vec<&str> = arrivals.iter().map(|a| a.payload_hash.as_str()).collect();
+    let seqs: Vec<i64> = arrivals.iter().map(|a| a.stream_sequence).collect();
+    let rows: Vec<(String,)> =
+        sqlx::query_as(INSERT_NEW_ARRIVALS).bind(keys).bind(hashes).bind(seqs).fetch_all(&mut *conn).await?;
+    Ok(rows.into_iter().map(|(k,)| k).collect())
+}
+
+/// The recorded payload hash of each key already in the inbox.
+pub async fn recorded_hashes(conn: &mut PgConnection, keys: &[&str]) -> Result<HashMap<String, String>, sqlx::Error> {
+    let rows: Vec<(String, String)> = sqlx::query_as(
+        "SELECT operation_key, payload_hash FROM handoff_consumer.inbox WHERE operation_key = ANY($1::text[])",
+    )
+    .bind(keys)
+    .fetch_all(&mut *conn)
+    .await?;
+    Ok(rows.into_iter().collect())
+}
+
+/// Records what the CRM did for each new arrival.
+pub async fn record_outcomes(
+    conn: &mut PgConnection,
+    outcomes: &[(String, &'static str, Option<i64>)],
+) -> Result<(), sqlx::Error> {
+    const RECORD_OUTCOMES: &str = r#"
+        UPDATE handoff_consumer.inbox AS i SET outcome = u.outcome, task_id = u.task_id
+          FROM UNNEST($1::text[], $2::text[], $3::bigint[]) AS u(k, outcome, task_id)
+         WHERE i.operation_key = u.k"#;
+    if outcomes.is_empty() {
+        return Ok(());
+    }
+    let keys: Vec<&str> = outcomes.iter().map(|o| o.0.as_str()).collect();
+    let kinds: Vec<&str> = outcomes.iter().map(|o| o.1).collect();
+    let tasks: Vec<Option<i64>> = outcomes.iter().map(|o| o.2).collect();
+    sqlx::query(RECORD_OUTCOMES).bind(keys).bind(kinds).bind(tasks).execute(&mut *conn).await?;
+    Ok(())
+}
+
+/// Something a person must decide: the same key arrived with content different from what is held.
+#[derive(Debug, Clone)]
+pub struct ReviewItem {
+    pub operation_key: String,
+    pub reason: String,
+    pub incoming_hash: String,
+    pub existing_hash: String,
+    pub stream_sequence: i64,
+}
+
+/// Adds review items.
+pub async fn record_reviews(conn: &mut PgConnection, items: &[ReviewItem]) -> Result<(), sqlx::Error> {
+    const RECORD_REVIEWS: &str = r#"
+        INSERT INTO handoff_consumer.review (operation_key, reason, incoming_hash, existing_hash, stream_sequence)
+        SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::bigint[])"#;
+    if items.is_empty() {
+        return Ok(());
+    }
+    sqlx::query(RECORD_REVIEWS)
+        .bind(items.iter().map(|i| i.operation_key.as_str()).collect::<Vec<_>>())
+        .bind(items.iter().map(|i| i.reason.as_str()).collect::<Vec<_>>())
+        .bind(items.iter().map(|i| i.incoming_hash.as_str()).collect::<Vec<_>>())
+        .bind(items.iter().map(|i| i.existing_hash.as_str()).collect::<Vec<_>>())
+        .bind(items.iter().map(|i| i.stream_sequence).collect::<Vec<_>>())
+        .execute(&mut *conn)
+        .await?;
+    Ok(())
+}
+
+/// A message that cannot be processed, kept whole.
+#[derive(Debug, Clone)]
+pub struct DeadLetter {
+    pub stream_sequence: i64,
+    pub subject: String,
+    pub message_id: Option<String>,
+    pub reason: String,
+    pub deliveries: i64,
+    pub headers: serde_json::Value,
+    pub body: Vec<u8>,
+}
+
+/// Adds dead letters. A redelivered poison message (crash before its Term) is recorded once.
+pub async fn record_dead_letters(conn: &mut PgConnection, letters: &[DeadLetter]) -> Result<(), sqlx::Error> {
+    const RECORD_DEAD_LETTERS: &str = r#"
+        INSERT INTO handoff_consumer.dead_letter
+               (stream_sequence, subject, message_id, reason, deliveries, headers, body)
+        SELECT * FROM UNNEST($1::bigint[], $2::text[], $3::text[], $4::text[], $5::bigint[], $6::jsonb[], $7::bytea[])
+        ON CONFLICT (stream_sequence, reason) DO NOTHING"#;
+    if letters.is_empty() {
+        return Ok(());
+    }
+    sqlx::query(RECORD_DEAD_LETTERS)
+        .bind(letters.iter().map(|l| l.stream_sequence).collect::<Vec<_>>())
+        .bind(letters.iter().map(|l| l.subject.as_str()).collect::<Vec<_>>())
+        .bind(letters.iter().map(|l| l.message_id.as_deref()).collect::<Vec<_>>())
+        .bind(letters.iter().map(|l| l.reason.as_str()).collect::<Vec<_>>())
+        .bind(letters.iter().map(|l| l.deliveries).collect::<Vec<_>>())
+        .bind(letters.iter().map(|l| l.headers.clone()).collect::<Vec<_>>())
+        .bind(letters.iter().map(|l| l.body.clone()).collect::<Vec<_>>())
+        .execute(&mut *conn)
+        .await?;
+    Ok(())
+}
+
+/// Row counts of the consumer's tables, for reports and tests.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, sqlx::FromRow)]
+pub struct ConsumerCounts {
+    pub inbox: i64,
+    pub tasks: i64,
+    pub reviews: i64,
+    pub dead_letters: i64,
+}
+
+/// Counts rows in every consumer table.
+pub async fn count_rows(pool: &PgPool) -> Result<ConsumerCounts, sqlx::Error> {
+    sqlx::query_as(
+        r#"SELECT (SELECT count(*) FROM handoff_consumer.inbox)       AS inbox,
+                  (SELECT count(*) FROM handoff_consumer.crm_task)    AS tasks,
+                  (SELECT count(*) FROM handoff_consumer.review)      AS reviews,
+                  (SELECT count(*) FROM handoff_consumer.dead_letter) AS dead_letters"#,
+    )
+    .fetch_one(pool)
+    .await
+}

@@ -1,0 +1,20 @@
+//! handoff consumer: verified JetStream messages become CRM tasks, once per operation key.
+//!
+//! * [`inbox`] owns the consumer's tables and their batched statements.
+//! * [`crm`] is the CRM boundary ([`crm::Crm`]) and the local store ([`crm::LocalCrm`]).
+//! * [`subscription`] binds the durable pull consumer the replicas share.
+//! * [`consumer`] orchestrates verify -> one transaction -> commit -> ack, and the run loop.
+//! * [`config`] is the command line / environment surface of the `handoff-consumer` binary.
+
+pub mod config;
+pub mod consumer;
+pub mod crm;
+pub mod inbox;
+pub mod subscription;
+
+pub use consumer::{Consumer, ConsumerFaults, ConsumerSettings, Handled};
+pub use crm::{Crm, LocalCrm};
+pub use subscription::SubscriptionSettings;
+
+/// The consumer schema migrations, embedded in the binary.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");

@@ -1,0 +1,105 @@
+//! Every setting of `handoff-relay`, as a flag and an environment variable (`handoff-relay --help`).
+
+use std::time::Duration;
+
+use async_nats::jetstream::stream::StorageType;
+use handoff_shared::Backoff;
+use handoff_shared::config::{DatabaseArgs, LogFormat, NatsArgs};
+use handoff_shared::subject::Subjects;
+
+use crate::{RelaySettings, StreamSettings};
+
+/// Publishes approved actions from the Postgres outbox to NATS JetStream.
+#[derive(Debug, clap::Parser)]
+#[command(name = "handoff-relay", version)]
+pub struct RelayConfig {
+    #[command(flatten)]
+    pub database: DatabaseArgs,
+    #[command(flatten)]
+    pub nats: NatsArgs,
+    /// JetStream stream name.
+    #[arg(long, env = "HANDOFF_STREAM", default_value = "HANDOFF")]
+    pub stream: String,
+    /// Subject prefix; actions go to <prefix>.<namespace>.<action>.
+    #[arg(long, env = "HANDOFF_SUBJECT_PREFIX", default_value = "handoff")]
+    pub subject_prefix: String,
+    /// Broker de-duplication window for Nats-Msg-Id, seconds. Longer than the relay's retry horizon
+    /// keeps every re-publish a broker-level duplicate.
+    #[arg(long, env = "HANDOFF_DUPLICATE_WINDOW_SECS", default_value_t = 3600)]
+    pub duplicate_window_secs: u64,
+    /// Stream message retention, seconds (0 = keep until the size limit).
+    #[arg(long, env = "HANDOFF_STREAM_MAX_AGE_SECS", default_value_t = 7 * 24 * 3600)]
+    pub stream_max_age_secs: u64,
+    /// Stream size limit in bytes (-1 = unlimited); when full, publishes are refused and retried.
+    #[arg(long, env = "HANDOFF_STREAM_MAX_BYTES", default_value_t = -1, allow_negative_numbers = true)]
+    pub stream_max_bytes: i64,
+    /// Stream replicas (3 in production clusters).
+    #[arg(long, env = "HANDOFF_STREAM_REPLICAS", default_value_t = 1)]
+    pub stream_replicas: usize,
+    /// Keep the stream in memory instead of files (tests only: loses data on restart).
+    #[arg(long, env = "HANDOFF_STREAM_MEMORY", default_value_t = false)]
+    pub stream_memory: bool,
+    /// Rows claimed per batch.
+    #[arg(long, env = "HANDOFF_RELAY_BATCH_SIZE", default_value_t = 500)]
+    pub batch_size: i64,
+    /// Concurrent claim-publish-mark loops.
+    #[arg(long, env = "HANDOFF_RELAY_WORKERS", default_value_t = 2)]
+    pub workers: usize,
+    /// Lease on claimed rows, seconds; a dead relay's rows are retried after it.
+    #[arg(long, env = "HANDOFF_RELAY_LEASE_SECS", default_value_t = 30.0)]
+    pub lease_secs: f64,
+    /// Poll interval when idle, milliseconds (LISTEN/NOTIFY wakes the relay sooner).
+    #[arg(long, env = "HANDOFF_RELAY_POLL_MS", default_value_t = 500)]
+    pub poll_ms: u64,
+    /// Publish attempts before a row is blocked.
+    #[arg(long, env = "HANDOFF_RELAY_MAX_ATTEMPTS", default_value_t = 10)]
+    pub max_attempts: u32,
+    /// Block rows still failing after this many seconds (0 = no age limit).
+    #[arg(long, env = "HANDOFF_RELAY_MAX_AGE_SECS", default_value_t = 0)]
+    pub max_age_secs: u64,
+    /// First retry delay, milliseconds; doubles per attempt.
+    #[arg(long, env = "HANDOFF_RELAY_BACKOFF_INITIAL_MS", default_value_t = 1000)]
+    pub backoff_initial_ms: u64,
+    /// Longest retry delay, seconds.
+    #[arg(long, env = "HANDOFF_RELAY_BACKOFF_MAX_SECS", default_value_t = 300)]
+    pub backoff_max_secs: u64,
+    /// CloudEvents source attribute of published events.
+    #[arg(long, env = "HANDOFF_EVENT_SOURCE", default_value = "/handoff/relay")]
+    pub event_source: String,
+    /// Log format.
+    #[arg(long, env = "LOG_FORMAT", value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+}
+
+impl RelayConfig {
+    /// The stream settings these flags describe.
+    pub fn stream_settings(&self) -> anyhow::Result<StreamSettings> {
+        Ok(StreamSettings {
+            name: self.stream.clone(),
+            subjects: Subjects::new(self.subject_prefix.clone())?,
+            duplicate_window: Duration::from_secs(self.duplicate_window_secs),
+            max_age: Duration::from_secs(self.stream_max_age_secs),
+            max_bytes: self.stream_max_bytes,
+            replicas: self.stream_replicas,
+            storage: if self.stream_memory { StorageType::Memory } else { StorageType::File },
+        })
+    }
+
+    /// The relay settings these flags describe.
+    pub fn relay_settings(&self) -> RelaySettings {
+        RelaySettings {
+            batch_size: self.batch_size,
+            lease: Duration::from_secs_f64(self.lease_secs),
+            poll_interval: Duration::from_millis(self.poll_ms),
+            max_attempts: self.max_attempts,
+            max_age: (self.max_age_secs > 0).then(|| Duration::from_secs(self.max_age_secs)),
+            backoff: Backoff {
+                initial: Duration::from_millis(self.backoff_initial_ms),
+                max: Duration::from_secs(self.backoff_max_secs),
+                ..Backoff::default()
+            },
+            workers: self.workers,
+            source: self.event_source.clone(),
+        }
+    }
+}

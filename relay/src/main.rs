@@ -1,0 +1,22 @@
+//! `handoff-relay`: reads its configuration, builds the relay and runs it until SIGTERM or Ctrl-C.
+
+use clap::Parser;
+use handoff_relay::Relay;
+use handoff_relay::config::RelayConfig;
+use tokio_util::sync::CancellationToken;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let config = RelayConfig::parse();
+    handoff_shared::config::init_tracing(config.log_format);
+    tracing::info!(?config, "starting handoff-relay");
+    let pool = config.database.connect("handoff-relay").await?;
+    let client = config.nats.connect("handoff-relay").await?;
+    let relay = Relay::build(pool, client.clone(), config.stream_settings()?, config.relay_settings()).await?;
+    let token = CancellationToken::new();
+    tokio::spawn(handoff_shared::config::shutdown_on_signal(token.clone()));
+    relay.run_until_stopped(token).await?;
+    // Flush anything still buffered in the client before exiting.
+    client.drain().await?;
+    Ok(())
+}

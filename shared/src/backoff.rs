@@ -1,0 +1,84 @@
+//! Retry delays as a value: exponential growth, a ceiling, and jitter so that many rows or messages
+//! failing together (a broker restart) do not retry in lock-step.
+
+use std::time::Duration;
+
+/// Exponential backoff with "equal jitter": the delay for attempt `n` lies in
+/// `[(1 - jitter) * d, d]` where `d = min(max, initial * multiplier^(n - 1))`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Backoff {
+    pub initial: Duration,
+    pub max: Duration,
+    pub multiplier: f64,
+    /// Fraction of the delay that is randomized, 0.0 to 1.0.
+    pub jitter: f64,
+}
+
+impl Default for Backoff {
+    /// 1 s doubling to 5 min, half of it jittered: quick recovery from a blip, slow polling of an outage.
+    fn default() -> Self {
+        Self { initial: Duration::from_secs(1), max: Duration::from_secs(300), multiplier: 2.0, jitter: 0.5 }
+    }
+}
+
+impl Backoff {
+    /// The un-jittered delay after the `attempt`-th failure (1-based; 0 is treated as 1).
+    pub fn ceiling(&self, attempt: u32) -> Duration {
+        let exponent = attempt.saturating_sub(1).min(64) as i32;
+        let secs = self.initial.as_secs_f64() * self.multiplier.powi(exponent);
+        if !secs.is_finite() || secs >= self.max.as_secs_f64() { self.max } else { Duration::from_secs_f64(secs) }
+    }
+
+    /// The delay for `attempt` given a uniform random `unit` in `[0, 1)`. Pure, for tests.
+    pub fn delay_with(&self, attempt: u32, unit: f64) -> Duration {
+        let ceiling = self.ceiling(attempt);
+        let jitter = self.jitter.clamp(0.0, 1.0);
+        ceiling.mul_f64(1.0 - jitter + jitter * unit.clamp(0.0, 1.0))
+    }
+
+    /// The delay for `attempt` with fresh randomness.
+    pub fn delay(&self, attempt: u32) -> Duration {
+        self.delay_with(attempt, rand::random::<f64>())
+    }
+
+    /// The longest time a row can be retried before `max_attempts` runs out: the sum of ceilings.
+    /// Compared against the broker's duplicate window at startup.
+    pub fn horizon(&self, max_attempts: u32) -> Duration {
+        (1..max_attempts).map(|a| self.ceiling(a)).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const B: Backoff =
+        Backoff { initial: Duration::from_millis(100), max: Duration::from_secs(2), multiplier: 2.0, jitter: 0.5 };
+
+    #[test]
+    fn grows_exponentially_up_to_the_ceiling() {
+        assert_eq!(B.ceiling(0), Duration::from_millis(100));
+        assert_eq!(B.ceiling(1), Duration::from_millis(100));
+        assert_eq!(B.ceiling(2), Duration::from_millis(200));
+        assert_eq!(B.ceiling(5), Duration::from_millis(1600));
+        assert_eq!(B.ceiling(6), Duration::from_secs(2));
+        assert_eq!(B.ceiling(u32::MAX), Duration::from_secs(2));
+    }
+
+    #[test]
+    fn jitter_stays_within_its_band() {
+        assert_eq!(B.delay_with(3, 0.0), Duration::from_millis(200));
+        assert_eq!(B.delay_with(3, 1.0), Duration::from_millis(400));
+        for _ in 0..1000 {
+            let d = B.delay(3);
+            assert!(d >= Duration::from_millis(200) && d <= Duration::from_millis(400), "{d:?}");
+        }
+    }
+
+    #[test]
+    fn horizon_sums_the_waits_between_attempts() {
+        // 3 attempts wait twice: 100 ms + 200 ms.
+        assert_eq!(B.horizon(3), Duration::from_millis(300));
+        assert_eq!(B.horizon(1), Duration::ZERO);
+    }
+}

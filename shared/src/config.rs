@@ -1,0 +1,239 @@
+//! Connection settings shared by both binaries: every flag has an environment variable, defaults are
+//! named, and `Debug` never prints a secret.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{ConnectOptions, PgPool};
+
+/// How long to wait for a first connection before giving up at startup.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// NATS connection settings.
+#[derive(Clone, clap::Args)]
+pub struct NatsArgs {
+    /// NATS server URLs, comma separated (nats://, tls://).
+    #[arg(long = "nats-url", env = "NATS_URL", value_delimiter = ',', default_value = "nats://127.0.0.1:4222")]
+    pub urls: Vec<String>,
+    /// Path to a NATS .creds file (JWT + nkey seed).
+    #[arg(long = "nats-creds", env = "NATS_CREDS")]
+    pub creds_file: Option<PathBuf>,
+    /// NKey seed for nkey authentication (secret).
+    #[arg(long = "nats-nkey", env = "NATS_NKEY", hide_env_values = true)]
+    pub nkey_seed: Option<String>,
+    /// User name for user/password authentication.
+    #[arg(long = "nats-user", env = "NATS_USER", requires = "password")]
+    pub user: Option<String>,
+    /// Password for user/password authentication (secret).
+    #[arg(long = "nats-password", env = "NATS_PASSWORD", hide_env_values = true)]
+    pub password: Option<String>,
+    /// Token for token authentication (secret).
+    #[arg(long = "nats-token", env = "NATS_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// PEM file with the CA certificates that sign the server's certificate.
+    #[arg(long = "nats-tls-ca", env = "NATS_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
+    /// PEM client certificate for mutual TLS (with --nats-tls-key).
+    #[arg(long = "nats-tls-cert", env = "NATS_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM client key for mutual TLS (with --nats-tls-cert).
+    #[arg(long = "nats-tls-key", env = "NATS_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Refuse to connect without TLS.
+    #[arg(long = "nats-tls-required", env = "NATS_TLS_REQUIRED", default_value_t = false)]
+    pub tls_required: bool,
+}
+
+impl fmt::Debug for NatsArgs {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NatsArgs")
+            .field("urls", &self.urls)
+            .field("creds_file", &self.creds_file)
+            .field("nkey_seed", &self.nkey_seed.as_ref().map(|_| "<redacted>"))
+            .field("user", &self.user)
+            .field("password", &self.password.as_ref().map(|_| "<redacted>"))
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .field("tls_ca", &self.tls_ca)
+            .field("tls_cert", &self.tls_cert)
+            .field("tls_key", &self.tls_key)
+            .field("tls_required", &self.tls_required)
+            .finish()
+    }
+}
+
+impl NatsArgs {
+    /// Settings for a plain server at `url`, for tests and demos.
+    pub fn plain(url: impl Into<String>) -> Self {
+        Self {
+            urls: vec![url.into()],
+            creds_file: None,
+            nkey_seed: None,
+            user: None,
+            password: None,
+            token: None,
+            tls_ca: None,
+            tls_cert: None,
+            tls_key: None,
+            tls_required: false,
+        }
+    }
+
+    /// Connects, naming the connection `name` (visible in the server's connz) and retrying the first
+    /// connection so a process may start before the broker does.
+    pub async fn connect(&self, name: &str) -> anyhow::Result<async_nats::Client> {
+        let mut options = async_nats::ConnectOptions::new()
+            .name(name)
+            .connection_timeout(DEFAULT_CONNECT_TIMEOUT)
+            .retry_on_initial_connect();
+        if let Some(path) = &self.creds_file {
+            options = options.credentials_file(path).await?;
+        }
+        if let Some(seed) = &self.nkey_seed {
+            options = options.nkey(seed.clone());
+        }
+        if let (Some(user), Some(password)) = (&self.user, &self.password) {
+            options = options.user_and_password(user.clone(), password.clone());
+        }
+        if let Some(token) = &self.token {
+            options = options.token(token.clone());
+        }
+        if let Some(ca) = &self.tls_ca {
+            options = options.add_root_certificates(ca.clone());
+        }
+        if let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) {
+            options = options.add_client_certificate(cert.clone(), key.clone());
+        }
+        options = options.require_tls(self.tls_required);
+        let addrs = self.urls.iter().map(|u| u.parse::<async_nats::ServerAddr>()).collect::<Result<Vec<_>, _>>()?;
+        Ok(options.connect(addrs).await?)
+    }
+}
+
+/// Postgres connection settings.
+#[derive(Clone, clap::Args)]
+pub struct DatabaseArgs {
+    /// Postgres URL, e.g. postgres://user:pass@host/db?sslmode=verify-full&sslrootcert=/ca.pem
+    /// (the password is a secret and is never logged).
+    #[arg(long = "database-url", env = "DATABASE_URL")]
+    pub url: String,
+    /// Largest number of pooled connections.
+    #[arg(long = "database-max-connections", env = "DATABASE_MAX_CONNECTIONS", default_value_t = 8)]
+    pub max_connections: u32,
+}
+
+impl fmt::Debug for DatabaseArgs {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DatabaseArgs")
+            .field("url", &redact_url(&self.url))
+            .field("max_connections", &self.max_connections)
+            .finish()
+    }
+}
+
+/// `postgres://user:secret@host/db` -> `postgres://user:<redacted>@host/db`.
+pub fn redact_url(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let userinfo = &url[scheme + 3..at];
+            match userinfo.find(':') {
+                Some(colon) => format!("{}{}:<redacted>{}", &url[..scheme + 3], &userinfo[..colon], &url[at..]),
+                None => url.to_owned(),
+            }
+        }
+        _ => url.to_owned(),
+    }
+}
+
+impl DatabaseArgs {
+    /// Settings for `url` with default pool size.
+    pub fn plain(url: impl Into<String>) -> Self {
+        Self { url: url.into(), max_connections: 8 }
+    }
+
+    /// Opens a pool. `application_name` shows in `pg_stat_activity`; every connection uses custom
+    /// plans (see platform notes: a generic plan cached on an empty outbox keeps a full scan later).
+    pub async fn connect(&self, application_name: &str) -> anyhow::Result<PgPool> {
+        let options: PgConnectOptions = self
+            .url
+            .parse::<PgConnectOptions>()?
+            .application_name(application_name)
+            .options([("plan_cache_mode", "force_custom_plan")])
+            .log_statements(tracing::log::LevelFilter::Trace);
+        Ok(PgPoolOptions::new()
+            .max_connections(self.max_connections)
+            .acquire_timeout(DEFAULT_CONNECT_TIMEOUT)
+            .connect_with(options)
+            .await?)
+    }
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Starts tracing: `RUST_LOG` filter (default `info`), text or JSON lines on stderr.
+pub fn init_tracing(format: LogFormat) {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    // A second init (tests calling build twice) is harmless, so the error is ignored.
+    let _ = match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().try_init(),
+    };
+}
+
+/// Cancels `token` on SIGTERM or Ctrl-C, so `run_until_stopped` finishes in-flight work and returns.
+pub async fn shutdown_on_signal(token: tokio_util::sync::CancellationToken) {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(term) => term,
+            Err(error) => {
+                tracing::error!(%error, "cannot listen for SIGTERM; only Ctrl-C stops the process");
+                let _ = ctrl_c.await;
+                token.cancel();
+                return;
+            }
+        };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+    tracing::info!("shutdown requested; finishing in-flight work");
+    token.cancel();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_output_hides_secrets() {
+        let mut nats = NatsArgs::plain("nats://x");
+        nats.password = Some("hunter2".into());
+        nats.token = Some("tok-secret".into());
+        nats.nkey_seed = Some("SUAseed".into());
+        let shown = format!("{nats:?}");
+        assert!(!shown.contains("hunter2") && !shown.contains("tok-secret") && !shown.contains("SUAseed"));
+        let db = DatabaseArgs::plain("postgres://app:s3cret@db:5432/handoff?sslmode=require");
+        let shown = format!("{db:?}");
+        assert!(!shown.contains("s3cret"), "{shown}");
+        assert!(shown.contains("postgres://app:<redacted>@db:5432/handoff?sslmode=require"));
+    }
+
+    #[test]
+    fn redaction_leaves_urls_without_passwords_alone() {
+        assert_eq!(redact_url("postgres://db/x"), "postgres://db/x");
+        assert_eq!(redact_url("postgres://app@db/x"), "postgres://app@db/x");
+    }
+}

@@ -1,0 +1,257 @@
+//! The message envelope: one approved action as a CloudEvents 1.0 event in structured JSON mode.
+//!
+//! ```json
+//! {"specversion":"1.0","id":"harbor:create-followup:v1:case-104","type":"harbor.create-followup.v1",
+//!  "source":"/handoff/relay","time":"2026-11-29T10:00:00Z","datacontenttype":"application/json",
+//!  "handoffhash":"<sha256 of canonical data>","handoffapprovedby":"u-17",
+//!  "handoffapprovedat":"2026-11-29T09:59:00Z","handoffschema":1,"data":{...}}
+//! ```
+//!
+//! `id` is the operation key (CloudEvents consumers de-duplicate on `source` + `id`), `type` is the
+//! action with its version, and the `handoff*` extension attributes carry the payload hash and the
+//! approval so the consumer can verify the payload is exactly what a person approved. Any CloudEvents
+//! SDK can read the stream.
+
+use bytes::Bytes;
+use chrono::{DateTime, SecondsFormat, Utc};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::{CanonicalPayload, KeyError, OperationKey, PayloadError, PayloadHash};
+
+/// Envelope schema version, in the `handoffschema` attribute. Bump on incompatible change.
+pub const SCHEMA_VERSION: u32 = 1;
+/// Longest approver id accepted.
+pub const MAX_APPROVER_LEN: usize = 200;
+
+/// Who approved the action and when. `approved_by` is an internal user id; like every envelope
+/// field except the key it is never logged.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Approval {
+    approved_by: String,
+    approved_at: DateTime<Utc>,
+}
+
+/// Why an approval record is invalid.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ApprovalError {
+    /// An action nobody approved must not be sent.
+    #[error("approved_by must be 1-{MAX_APPROVER_LEN} characters without control characters")]
+    BadApprover,
+}
+
+impl Approval {
+    /// Validates the approver id (trimmed, non-empty, bounded, printable).
+    pub fn new(approved_by: &str, approved_at: DateTime<Utc>) -> Result<Self, ApprovalError> {
+        let approved_by = approved_by.trim();
+        if approved_by.is_empty()
+            || approved_by.chars().count() > MAX_APPROVER_LEN
+            || approved_by.chars().any(char::is_control)
+        {
+            return Err(ApprovalError::BadApprover);
+        }
+        Ok(Self { approved_by: approved_by.to_owned(), approved_at })
+    }
+
+    /// The approver's id.
+    pub fn approved_by(&self) -> &str {
+        &self.approved_by
+    }
+
+    /// When the approval was given.
+    pub fn approved_at(&self) -> DateTime<Utc> {
+        self.approved_at
+    }
+}
+
+impl std::fmt::Debug for Approval {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Approval").field("approved_at", &self.approved_at).finish_non_exhaustive()
+    }
+}
+
+/// One approved action on the wire.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Envelope {
+    pub key: OperationKey,
+    pub payload: CanonicalPayload,
+    pub approval: Approval,
+    /// CloudEvents `source`: which relay deployment published it.
+    pub source: String,
+    /// CloudEvents `time`: when the action was recorded by the producer.
+    pub time: DateTime<Utc>,
+}
+
+/// Why a message is not a valid envelope. Every variant is permanent: redelivering the same bytes
+/// cannot fix it, so the consumer dead-letters the message with this reason.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EnvelopeError {
+    #[error("message body is not a CloudEvents JSON object: {0}")]
+    NotCloudEvent(String),
+    #[error("unsupported CloudEvents specversion {0:?}")]
+    SpecVersion(String),
+    #[error("unsupported handoff schema version {0}")]
+    SchemaVersion(u32),
+    #[error("event id is not an operation key: {0}")]
+    BadKey(#[from] KeyError),
+    #[error("event type {found:?} does not match the key (expected {expected:?})")]
+    TypeMismatch { expected: String, found: String },
+    #[error("message has no {0} header")]
+    MissingHeader(&'static str),
+    /// The broker de-duplicated on a different identity than the envelope claims: forged or buggy.
+    #[error("Nats-Msg-Id header does not equal the event id")]
+    KeyHeaderMismatch,
+    #[error("event data is not an approvable payload: {0}")]
+    BadPayload(#[from] PayloadError),
+    #[error("handoffhash is not a sha256 hex digest")]
+    BadHash,
+    /// The payload is not the one that was approved.
+    #[error("payload hash mismatch: event declares {declared}, data hashes to {computed}")]
+    HashMismatch { declared: PayloadHash, computed: PayloadHash },
+    #[error("approval is invalid: {0}")]
+    BadApproval(#[from] ApprovalError),
+}
+
+#[derive(Serialize, Deserialize)]
+struct CloudEvent {
+    specversion: String,
+    id: String,
+    source: String,
+    #[serde(rename = "type")]
+    kind: String,
+    time: DateTime<Utc>,
+    datacontenttype: String,
+    handoffhash: String,
+    handoffapprovedby: String,
+    handoffapprovedat: DateTime<Utc>,
+    handoffschema: u32,
+    data: Value,
+}
+
+/// The CloudEvents `type` for a key: `namespace.action.vN`.
+pub fn event_type(key: &OperationKey) -> String {
+    format!("{}.{}.{}", key.namespace(), key.action(), key.version())
+}
+
+impl Envelope {
+    /// The message body (structured-mode CloudEvents JSON).
+    pub fn encode(&self) -> Bytes {
+        let event = CloudEvent {
+            specversion: "1.0".into(),
+            id: self.key.to_string(),
+            source: self.source.clone(),
+            kind: event_type(&self.key),
+            time: self.time,
+            datacontenttype: "application/json".into(),
+            handoffhash: self.payload.hash().to_string(),
+            handoffapprovedby: self.approval.approved_by.clone(),
+            handoffapprovedat: self.approval.approved_at,
+            handoffschema: SCHEMA_VERSION,
+            data: self.payload.value().clone(),
+        };
+        // Serializing owned strings, timestamps and a JSON value cannot fail.
+        Bytes::from(serde_json::to_vec(&event).expect("envelope serializes"))
+    }
+
+    /// Parses and verifies a message: body shape, key, `Nats-Msg-Id` (`msg_id`) equal to the key,
+    /// and the payload hash recomputed from the data.
+    pub fn decode(body: &[u8], msg_id: Option<&str>) -> Result<Self, EnvelopeError> {
+        let event: CloudEvent =
+            serde_json::from_slice(body).map_err(|e| EnvelopeError::NotCloudEvent(e.to_string()))?;
+        if event.specversion != "1.0" {
+            return Err(EnvelopeError::SpecVersion(event.specversion));
+        }
+        if event.handoffschema != SCHEMA_VERSION {
+            return Err(EnvelopeError::SchemaVersion(event.handoffschema));
+        }
+        let key: OperationKey = event.id.parse()?;
+        let msg_id = msg_id.ok_or(EnvelopeError::MissingHeader(crate::headers::MSG_ID))?;
+        if msg_id != key.as_str() {
+            return Err(EnvelopeError::KeyHeaderMismatch);
+        }
+        let expected = event_type(&key);
+        if event.kind != expected {
+            return Err(EnvelopeError::TypeMismatch { expected, found: event.kind });
+        }
+        let declared: PayloadHash = event.handoffhash.parse().map_err(|_| EnvelopeError::BadHash)?;
+        let payload = CanonicalPayload::new(event.data)?;
+        let computed = payload.hash();
+        if computed != declared {
+            return Err(EnvelopeError::HashMismatch { declared, computed });
+        }
+        let approval = Approval::new(&event.handoffapprovedby, event.handoffapprovedat)?;
+        Ok(Self { key, payload, approval, source: event.source, time: event.time })
+    }
+}
+
+/// RFC 3339 with millisecond precision, as used in reports.
+pub fn rfc3339(time: DateTime<Utc>) -> String {
+    time.to_rfc3339_opts(SecondsFormat::Millis, true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Envelope {
+        let at = DateTime::parse_from_rfc3339("2026-11-29T10:00:00Z").unwrap().with_timezone(&Utc);
+        Envelope {
+            key: "harbor:create-followup:v1:case-104".parse().unwrap(),
+            payload: CanonicalPayload::from_json(br#"{"case_id":"case-104","title":"Call"}"#).unwrap(),
+            approval: Approval::new("u-17", at).unwrap(),
+            source: "/handoff/test".into(),
+            time: at,
+        }
+    }
+
+    #[test]
+    fn round_trips_and_reads_as_a_cloudevent() {
+        let env = sample();
+        let body = env.encode();
+        let json: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(json["specversion"], "1.0");
+        assert_eq!(json["id"], "harbor:create-followup:v1:case-104");
+        assert_eq!(json["type"], "harbor.create-followup.v1");
+        assert_eq!(json["handoffhash"], env.payload.hash().to_string());
+        assert_eq!(Envelope::decode(&body, Some(env.key.as_str())).unwrap(), env);
+    }
+
+    #[test]
+    fn rejects_a_tampered_payload_with_a_hash_mismatch() {
+        let body = sample().encode();
+        let mut json: Value = serde_json::from_slice(&body).unwrap();
+        json["data"]["title"] = "Call someone else".into();
+        let err = Envelope::decode(&serde_json::to_vec(&json).unwrap(), Some("harbor:create-followup:v1:case-104"));
+        assert!(matches!(err, Err(EnvelopeError::HashMismatch { .. })), "{err:?}");
+    }
+
+    #[test]
+    fn rejects_a_message_id_that_is_not_the_key() {
+        let body = sample().encode();
+        assert_eq!(
+            Envelope::decode(&body, Some("harbor:create-followup:v1:case-105")),
+            Err(EnvelopeError::KeyHeaderMismatch)
+        );
+        assert_eq!(Envelope::decode(&body, None), Err(EnvelopeError::MissingHeader("Nats-Msg-Id")));
+    }
+
+    #[test]
+    fn rejects_garbage_and_foreign_events() {
+        assert!(matches!(Envelope::decode(b"not json", Some("x")), Err(EnvelopeError::NotCloudEvent(_))));
+        let mut json: Value = serde_json::from_slice(&sample().encode()).unwrap();
+        json["type"] = "harbor.delete-everything.v1".into();
+        assert!(matches!(
+            Envelope::decode(&serde_json::to_vec(&json).unwrap(), Some("harbor:create-followup:v1:case-104")),
+            Err(EnvelopeError::TypeMismatch { .. })
+        ));
+    }
+
+    #[test]
+    fn approval_needs_a_real_approver() {
+        let now = Utc::now();
+        assert!(Approval::new("  ", now).is_err());
+        assert!(Approval::new("a\nb", now).is_err());
+        assert!(Approval::new(&"a".repeat(MAX_APPROVER_LEN + 1), now).is_err());
+        assert_eq!(Approval::new(" u-1 ", now).unwrap().approved_by(), "u-1");
+    }
+}

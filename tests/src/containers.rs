@@ -1,0 +1,360 @@
+//! Postgres and NATS JetStream containers for integration tests (testcontainers 0.28).
+//!
+//! Images come from `HANDOFF_POSTGRES_IMAGE` (default [`DEFAULT_POSTGRES_IMAGE`]) and
+//! `HANDOFF_NATS_IMAGE` (default [`DEFAULT_NATS_IMAGE`]); `scripts/build-images` builds the
+//! defaults locally, and a user with a registry can point the variables at `postgres:15` and
+//! `nats:2.x` instead. On an engine older than Docker API 1.53, source `scripts/docker-env`
+//! first (it puts `docker-api-shim` on `DOCKER_HOST`; see that crate for when it is needed).
+//!
+//! Ports are published on 127.0.0.1 only (the Postgres image trusts everyone) and clients
+//! always connect to `127.0.0.1:<host port>`, which also works when the tests themselves run
+//! inside a container. Containers are removed when the value is dropped.
+
+use std::{
+    collections::HashMap,
+    hash::{BuildHasher, RandomState},
+    net::{Ipv4Addr, TcpListener},
+    sync::atomic::{AtomicU32, Ordering},
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+};
+
+use anyhow::{Context, Result, bail};
+use sqlx::{AssertSqlSafe, Connection, PgConnection};
+use testcontainers::{
+    ContainerAsync, GenericImage, ImageExt,
+    bollard::models::{HostConfig, PortBinding},
+    core::{IntoContainerPort, WaitFor},
+    runners::AsyncRunner,
+};
+use tokio::{io::AsyncReadExt, net::TcpStream};
+
+/// Image used for Postgres unless `HANDOFF_POSTGRES_IMAGE` is set.
+pub const DEFAULT_POSTGRES_IMAGE: &str = "handoff-test/postgres:15";
+/// Image used for NATS unless `HANDOFF_NATS_IMAGE` is set.
+pub const DEFAULT_NATS_IMAGE: &str = "handoff-test/nats:2.15.1";
+
+const POSTGRES_PORT: u16 = 5432;
+const NATS_PORT: u16 = 4222;
+const STARTUP_TIMEOUT: Duration = Duration::from_secs(120);
+const READY_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A Postgres server in a container, reachable as the trusted superuser `postgres`.
+#[derive(Debug)]
+pub struct Postgres {
+    container: ContainerAsync<GenericImage>,
+    port: u16,
+}
+
+impl Postgres {
+    /// Starts the container and waits until it answers `SELECT 1`.
+    ///
+    /// Waiting for the log line alone is not enough for the official `postgres` image, whose
+    /// entrypoint runs a temporary server (which logs the same line) before the real one.
+    pub async fn start() -> Result<Self> {
+        let image_ref = image_from_env("HANDOFF_POSTGRES_IMAGE", DEFAULT_POSTGRES_IMAGE);
+        let (name, tag) = split_image(&image_ref);
+        let started = Instant::now();
+        let container = GenericImage::new(name, tag)
+            .with_exposed_port(POSTGRES_PORT.tcp())
+            .with_wait_for(WaitFor::message_on_stderr("database system is ready to accept connections"))
+            .with_env_var("POSTGRES_HOST_AUTH_METHOD", "trust")
+            .with_startup_timeout(STARTUP_TIMEOUT)
+            .with_host_config_modifier(|config| {
+                // Instead of publish-all on 0.0.0.0: one ephemeral port on loopback.
+                config.publish_all_ports = Some(false);
+                config.port_bindings = Some(HashMap::from([(
+                    format!("{POSTGRES_PORT}/tcp"),
+                    Some(vec![PortBinding {
+                        host_ip: Some(Ipv4Addr::LOCALHOST.to_string()),
+                        host_port: Some(String::new()),
+                    }]),
+                )]));
+            })
+            .start()
+            .await
+            .with_context(|| format!("starting Postgres container from image {image_ref}"))?;
+        let port = container.get_host_port_ipv4(POSTGRES_PORT).await?;
+        let pg = Self { container, port };
+        pg.wait_until_queryable().await?;
+        tracing::info!(
+            image = %image_ref,
+            port,
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "Postgres container ready"
+        );
+        Ok(pg)
+    }
+
+    async fn wait_until_queryable(&self) -> Result<()> {
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            let attempt = async {
+                let mut conn = PgConnection::connect(&self.admin_url()).await?;
+                let one: i32 = sqlx::query_scalar("SELECT 1").fetch_one(&mut conn).await?;
+                conn.close().await?;
+                anyhow::Ok(one)
+            };
+            match attempt.await {
+                Ok(1) => return Ok(()),
+                Ok(other) => bail!("SELECT 1 returned {other}"),
+                Err(err) if Instant::now() < deadline => {
+                    tracing::debug!("Postgres not ready yet: {err:#}");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                Err(err) => {
+                    return Err(err.context(format!(
+                        "Postgres on port {} did not answer SELECT 1 within {READY_TIMEOUT:?}",
+                        self.port
+                    )));
+                }
+            }
+        }
+    }
+
+    /// URL of the `postgres` maintenance database, as the superuser.
+    pub fn admin_url(&self) -> String {
+        self.url_for("postgres")
+    }
+
+    /// The host port Postgres is published on (on 127.0.0.1).
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The underlying container, e.g. to stop or inspect it.
+    pub fn container(&self) -> &ContainerAsync<GenericImage> {
+        &self.container
+    }
+
+    /// Creates a new, empty database with a unique name starting with (a sanitised)
+    /// `name_hint`, and returns its URL.
+    pub async fn fresh_database(&self, name_hint: &str) -> Result<String> {
+        let name = unique_db_name(name_hint);
+        let mut conn =
+            PgConnection::connect(&self.admin_url()).await.context("connecting to the Postgres admin database")?;
+        // `name` is made of [a-z0-9_] only (see unique_db_name), so quoting it is enough.
+        sqlx::raw_sql(AssertSqlSafe(format!("CREATE DATABASE \"{name}\"")))
+            .execute(&mut conn)
+            .await
+            .with_context(|| format!("creating database {name}"))?;
+        conn.close().await?;
+        Ok(self.url_for(&name))
+    }
+
+    fn url_for(&self, database: &str) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/{database}", self.port)
+    }
+}
+
+/// A NATS server with JetStream (store in `/data`) whose host port survives restarts.
+#[derive(Debug)]
+pub struct Nats {
+    container: ContainerAsync<GenericImage>,
+    port: u16,
+}
+
+impl Nats {
+    /// Starts `nats-server -js --store_dir /data` (JetStream with the default `sync_interval`).
+    pub async fn start() -> Result<Self> {
+        Self::start_with_args(&["-js", "--store_dir", "/data"]).await
+    }
+
+    /// Starts the server with `/etc/nats/durable.conf` (JetStream in `/data`,
+    /// `sync_interval: always`). Only the image from `scripts/build-images` has that file.
+    pub async fn start_durable() -> Result<Self> {
+        Self::start_with_args(&["-c", "/etc/nats/durable.conf"]).await
+    }
+
+    /// Starts the server with these arguments (they replace the image's CMD).
+    pub async fn start_with_args(args: &[&str]) -> Result<Self> {
+        let image_ref = image_from_env("HANDOFF_NATS_IMAGE", DEFAULT_NATS_IMAGE);
+        let (name, tag) = split_image(&image_ref);
+        let started = Instant::now();
+        // The host port is chosen here and bound explicitly, so that it stays the same when
+        // the container is stopped and started again. Another process could take it between
+        // the probe and the bind: try a few ports.
+        let mut last_err = None;
+        for _ in 0..3 {
+            let port = free_port()?;
+            let result = GenericImage::new(name, tag)
+                .with_exposed_port(NATS_PORT.tcp())
+                .with_wait_for(WaitFor::message_on_stderr("Server is ready"))
+                .with_cmd(args.iter().copied())
+                .with_mapped_port(port, NATS_PORT.tcp())
+                .with_startup_timeout(STARTUP_TIMEOUT)
+                .with_host_config_modifier(bind_to_loopback)
+                .start()
+                .await;
+            match result {
+                Ok(container) => {
+                    let nats = Self { container, port };
+                    nats.wait_until_ready().await?;
+                    tracing::info!(
+                        image = %image_ref,
+                        port,
+                        elapsed_ms = started.elapsed().as_millis() as u64,
+                        "NATS container ready"
+                    );
+                    return Ok(nats);
+                }
+                Err(err) => {
+                    tracing::warn!("starting NATS on host port {port} failed: {err}");
+                    last_err = Some(err);
+                }
+            }
+        }
+        Err(anyhow::Error::from(last_err.expect("at least one attempt"))
+            .context(format!("starting NATS container from image {image_ref}")))
+    }
+
+    /// `nats://127.0.0.1:<port>`; the same before and after [`Nats::restart`].
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// The host port NATS is published on (on 127.0.0.1).
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The underlying container.
+    pub fn container(&self) -> &ContainerAsync<GenericImage> {
+        &self.container
+    }
+
+    /// Stops and starts the same container (JetStream data in `/data` is kept) on the same
+    /// host port, and waits until it accepts clients again.
+    pub async fn restart(&self) -> Result<()> {
+        self.stop().await?;
+        self.start_again().await
+    }
+
+    /// Stops the server (SIGTERM, then SIGKILL after 10 s); clients see the connection drop.
+    pub async fn stop(&self) -> Result<()> {
+        self.container.stop_with_timeout(Some(10)).await.context("stopping the NATS container")?;
+        tracing::info!(port = self.port, "NATS container stopped");
+        Ok(())
+    }
+
+    /// Starts the container again after [`Nats::stop`] and waits until it accepts clients.
+    pub async fn start_again(&self) -> Result<()> {
+        self.container.start().await.context("starting the NATS container again")?;
+        let port = self.container.get_host_port_ipv4(NATS_PORT).await?;
+        if port != self.port {
+            bail!("NATS came back on host port {port}, expected {}", self.port);
+        }
+        self.wait_until_ready().await?;
+        tracing::info!(port, "NATS container started again");
+        Ok(())
+    }
+
+    /// Waits until the server greets a TCP client with its `INFO` line. The log line used at
+    /// first start cannot be used again: the log still holds the previous run's.
+    async fn wait_until_ready(&self) -> Result<()> {
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            if nats_greets((Ipv4Addr::LOCALHOST, self.port)).await {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                bail!("NATS on port {} did not accept clients within {READY_TIMEOUT:?}", self.port);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+/// True when a NATS server at `addr` sends its `INFO {...}` greeting. (docker-proxy accepts
+/// connections before the server inside listens, so a successful connect alone says nothing.)
+async fn nats_greets(addr: (Ipv4Addr, u16)) -> bool {
+    let attempt = async {
+        let mut stream = TcpStream::connect(addr).await?;
+        let mut greeting = [0u8; 5];
+        stream.read_exact(&mut greeting).await?;
+        std::io::Result::Ok(&greeting == b"INFO ")
+    };
+    matches!(tokio::time::timeout(Duration::from_secs(2), attempt).await, Ok(Ok(true)))
+}
+
+/// Publishes every port binding on 127.0.0.1 instead of all interfaces.
+fn bind_to_loopback(config: &mut HostConfig) {
+    for bindings in config.port_bindings.iter_mut().flat_map(|m| m.values_mut()) {
+        for binding in bindings.iter_mut().flatten() {
+            binding.host_ip = Some(Ipv4Addr::LOCALHOST.to_string());
+        }
+    }
+}
+
+/// A port that is free on 127.0.0.1 now, chosen below the kernel's ephemeral range
+/// (32768-60999 by default) so that outgoing connections and other tests' `bind(0)` are
+/// unlikely to take it while the container is stopped.
+fn free_port() -> Result<u16> {
+    const LOW: u64 = 20_000;
+    const HIGH: u64 = 32_000;
+    let random = RandomState::new();
+    for attempt in 0u32..200 {
+        let candidate = LOW + random.hash_one((std::process::id(), attempt)) % (HIGH - LOW);
+        let candidate = u16::try_from(candidate).expect("below 32000");
+        if TcpListener::bind((Ipv4Addr::LOCALHOST, candidate)).is_ok() {
+            return Ok(candidate);
+        }
+    }
+    bail!("no free port found in {LOW}..{HIGH} on 127.0.0.1")
+}
+
+fn image_from_env(var: &str, default: &str) -> String {
+    match std::env::var(var) {
+        Ok(value) if !value.trim().is_empty() => value.trim().to_owned(),
+        _ => default.to_owned(),
+    }
+}
+
+/// Splits `registry:5000/name:tag` into name and tag (tag `latest` when there is none).
+fn split_image(image: &str) -> (&str, &str) {
+    match image.rsplit_once(':') {
+        Some((name, tag)) if !tag.contains('/') => (name, tag),
+        _ => (image, "latest"),
+    }
+}
+
+/// `<hint>_<pid>_<counter>_<micros>`: lowercase [a-z0-9_], at most 63 bytes, unique within
+/// this process and very likely across processes sharing a server.
+fn unique_db_name(hint: &str) -> String {
+    static COUNTER: AtomicU32 = AtomicU32::new(0);
+    let mut prefix: String =
+        hint.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' }).take(24).collect();
+    if !prefix.starts_with(|c: char| c.is_ascii_lowercase()) {
+        prefix.insert_str(0, "db_");
+    }
+    let micros = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() % 1_000_000_000_000);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    format!("{prefix}_{}_{n}_{micros}", std::process::id())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splits_image_references() {
+        assert_eq!(split_image("postgres:15"), ("postgres", "15"));
+        assert_eq!(split_image("nats"), ("nats", "latest"));
+        assert_eq!(
+            split_image("registry:5000/handoff-test/nats:2.15.1"),
+            ("registry:5000/handoff-test/nats", "2.15.1")
+        );
+        assert_eq!(split_image("registry:5000/nats"), ("registry:5000/nats", "latest"));
+    }
+
+    #[test]
+    fn database_names_are_safe_and_unique() {
+        let a = unique_db_name("Relay Test: claim/mark, ünïcode and a very long hint indeed");
+        let b = unique_db_name("Relay Test: claim/mark, ünïcode and a very long hint indeed");
+        assert_ne!(a, b);
+        for name in [&a, &b, &unique_db_name("9lives"), &unique_db_name("")] {
+            assert!(name.len() <= 63, "{name}");
+            assert!(name.starts_with(|c: char| c.is_ascii_lowercase()), "{name}");
+            assert!(name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'), "{name}");
+        }
+    }
+}

@@ -1,0 +1,238 @@
+//! The integration-test harness: real Postgres and NATS (testcontainers), a fresh producer and
+//! consumer database and a unique stream and subject prefix per test, so tests run in parallel
+//! without stepping on each other. Relay and consumer run in-process, built through their
+//! libraries exactly as the binaries build them.
+
+pub mod containers;
+
+use std::future::Future;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use async_nats::jetstream::stream::StorageType;
+use handoff_consumer::{Consumer, ConsumerSettings, LocalCrm, SubscriptionSettings};
+use handoff_relay::outbox::{OutboxCounts, count_by_state};
+use handoff_relay::{ApprovedAction, RecordError, Recorded, Relay, RelaySettings, StreamSettings};
+use handoff_shared::{Backoff, Subjects};
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+
+pub use containers::{Nats, Postgres};
+
+/// The title seed 000 approves for case 104.
+pub const SEED_TITLE: &str = "Call about the approved repair plan";
+
+/// One test's world: servers, databases, broker names.
+#[derive(Debug)]
+pub struct TestEnv {
+    pub postgres: Postgres,
+    pub nats: Nats,
+    /// The application's database (approved actions + outbox).
+    pub producer_db: PgPool,
+    /// The consumer's own database (inbox + CRM store).
+    pub consumer_db: PgPool,
+    pub client: async_nats::Client,
+    pub js: async_nats::jetstream::Context,
+    pub stream: String,
+    pub subjects: Subjects,
+    /// Broker dedup window for this test's stream.
+    pub duplicate_window: Duration,
+}
+
+impl TestEnv {
+    /// Starts Postgres and NATS and prepares fresh databases with the producer schema migrated.
+    pub async fn start() -> Result<Self> {
+        Self::start_with_window(Duration::from_secs(120)).await
+    }
+
+    /// Like [`TestEnv::start`] with a chosen broker duplicate window.
+    pub async fn start_with_window(duplicate_window: Duration) -> Result<Self> {
+        let _ = tracing_subscriber_init();
+        let (postgres, nats) = tokio::try_join!(Postgres::start(), Nats::start())?;
+        let producer_db = pool(&postgres.fresh_database("producer").await?).await?;
+        let consumer_db = pool(&postgres.fresh_database("consumer").await?).await?;
+        handoff_relay::MIGRATOR.run(&producer_db).await?;
+        handoff_consumer::MIGRATOR.run(&consumer_db).await?;
+        let client = async_nats::connect(nats.url()).await?;
+        let js = async_nats::jetstream::new(client.clone());
+        let id = format!("{:08x}", rand_u32());
+        Ok(Self {
+            postgres,
+            nats,
+            producer_db,
+            consumer_db,
+            client,
+            js,
+            stream: format!("T{id}"),
+            subjects: Subjects::new(format!("t{id}"))?,
+            duplicate_window,
+        })
+    }
+
+    /// This test's stream settings (file storage, Limits, DiscardPolicy::New).
+    pub fn stream_settings(&self) -> StreamSettings {
+        StreamSettings {
+            name: self.stream.clone(),
+            subjects: self.subjects.clone(),
+            duplicate_window: self.duplicate_window,
+            max_age: Duration::ZERO,
+            max_bytes: -1,
+            replicas: 1,
+            storage: StorageType::File,
+        }
+    }
+
+    /// This test's durable consumer, with a short `ack_wait` so crash tests see redelivery quickly.
+    pub fn subscription(&self) -> SubscriptionSettings {
+        SubscriptionSettings {
+            stream: self.stream.clone(),
+            durable_name: "crm".into(),
+            filter_subject: self.subjects.all(),
+            ack_wait: Duration::from_secs(1),
+            max_ack_pending: 20_000,
+            stream_wait: Duration::from_secs(30),
+        }
+    }
+
+    /// Relay settings for tests: immediate retries, small budget.
+    pub fn relay_settings(&self) -> RelaySettings {
+        RelaySettings {
+            backoff: Backoff { initial: Duration::ZERO, max: Duration::ZERO, multiplier: 2.0, jitter: 0.0 },
+            max_attempts: 10,
+            poll_interval: Duration::from_millis(100),
+            ..RelaySettings::default()
+        }
+    }
+
+    /// Consumer settings for tests.
+    pub fn consumer_settings(&self) -> ConsumerSettings {
+        ConsumerSettings {
+            backoff: Backoff {
+                initial: Duration::from_millis(50),
+                max: Duration::from_millis(200),
+                multiplier: 2.0,
+                jitter: 0.0,
+            },
+            fetch_expires: Duration::from_secs(1),
+            ..ConsumerSettings::default()
+        }
+    }
+
+    /// A relay on its own connection pool and NATS connection, as a separate process would have.
+    pub async fn relay(&self, settings: RelaySettings) -> Result<Relay> {
+        let pool = pool(&self.database_url(&self.producer_db)).await?;
+        let client = async_nats::connect(self.nats.url()).await?;
+        Relay::build(pool, client, self.stream_settings(), settings).await
+    }
+
+    /// A consumer replica on its own pool and NATS connection.
+    pub async fn consumer(&self, settings: ConsumerSettings) -> Result<Consumer<LocalCrm>> {
+        let pool = pool(&self.database_url(&self.consumer_db)).await?;
+        let client = async_nats::connect(self.nats.url()).await?;
+        Consumer::build(pool, client, &self.subscription(), LocalCrm, settings).await
+    }
+
+    fn database_url(&self, pool: &PgPool) -> String {
+        let options = pool.connect_options();
+        format!(
+            "postgres://postgres@127.0.0.1:{}/{}",
+            self.postgres.port(),
+            options.get_database().unwrap_or("postgres")
+        )
+    }
+
+    /// Records the seed's follow-up for `case` through the Rust API in its own transaction.
+    pub async fn approve(&self, case: &str, title: &str) -> Result<Recorded, RecordError> {
+        let action = ApprovedAction::parse(
+            &format!("harbor:create-followup:v1:{case}"),
+            serde_json::json!({ "case_id": case, "title": title }),
+            "user-17",
+            chrono::Utc::now(),
+        )?;
+        let mut tx = self.producer_db.begin().await.map_err(RecordError::Database)?;
+        let recorded = handoff_relay::record_approved_action(&mut tx, &action).await?;
+        tx.commit().await.map_err(RecordError::Database)?;
+        Ok(recorded)
+    }
+
+    /// Outbox rows by state.
+    pub async fn outbox(&self) -> Result<OutboxCounts> {
+        Ok(count_by_state(&self.producer_db).await?)
+    }
+
+    /// Approved actions recorded.
+    pub async fn approvals(&self) -> Result<i64> {
+        Ok(sqlx::query_scalar("SELECT count(*) FROM handoff.approved_action").fetch_one(&self.producer_db).await?)
+    }
+
+    /// Tasks in the CRM store.
+    pub async fn tasks(&self) -> Result<i64> {
+        Ok(sqlx::query_scalar("SELECT count(*) FROM handoff_consumer.crm_task").fetch_one(&self.consumer_db).await?)
+    }
+
+    /// Consumer table counts.
+    pub async fn consumer_counts(&self) -> Result<handoff_consumer::inbox::ConsumerCounts> {
+        Ok(handoff_consumer::inbox::count_rows(&self.consumer_db).await?)
+    }
+
+    /// Messages stored in this test's stream.
+    pub async fn stream_messages(&self) -> Result<u64> {
+        let mut stream = self.js.get_stream(&self.stream).await?;
+        Ok(stream.info().await?.state.messages)
+    }
+
+    /// Records `n` approved actions in one statement through the SQL producer function.
+    pub async fn approve_many_via_sql(&self, first: i64, n: i64) -> Result<()> {
+        sqlx::query(
+            r#"SELECT handoff.record_approved_action(
+                   'harbor:create-followup:v1:case-' || i,
+                   jsonb_build_object('case_id', 'case-' || i, 'title', 'Call about repair ' || i),
+                   'user-17')
+                 FROM generate_series($1::bigint, $2::bigint) AS i"#,
+        )
+        .bind(first)
+        .bind(first + n - 1)
+        .execute(&self.producer_db)
+        .await?;
+        Ok(())
+    }
+}
+
+/// Polls `check` until it returns `Some`, or fails after `timeout` saying what was awaited.
+/// This waits for a state, it does not win a race: every caller states the condition it needs.
+pub async fn eventually<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<Option<T>>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Some(value) = check().await? {
+            return Ok(value);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            bail!("timed out after {timeout:?} waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn pool(url: &str) -> Result<PgPool> {
+    PgPoolOptions::new().max_connections(10).connect(url).await.with_context(|| format!("connecting to {url}"))
+}
+
+fn rand_u32() -> u32 {
+    use std::hash::{BuildHasher, RandomState};
+    RandomState::new().hash_one(std::time::SystemTime::now()) as u32
+}
+
+fn tracing_subscriber_init() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_test_writer()
+        .try_init()
+        .map_err(|e| anyhow::anyhow!(e))
+}
