@@ -1,0 +1,181 @@
+//! The consumer: one task per operation key, whatever the broker delivers.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use async_nats::jetstream::message::PublishMessage;
+use handoff_consumer::Handled;
+use handoff_tests::{SEED_TITLE, TestEnv, eventually};
+
+const WAIT: Duration = Duration::from_secs(5);
+
+#[tokio::test]
+async fn a_consumer_dying_after_its_commit_and_before_its_ack_creates_no_second_task() {
+    let env = TestEnv::start().await.unwrap();
+    let relay = env.relay(env.relay_settings()).await.unwrap();
+    env.approve("case-104", SEED_TITLE).await.unwrap();
+    relay.publish_batch().await.unwrap();
+
+    let dying = env.consumer(env.consumer_settings()).await.unwrap();
+    dying.faults().crash_after_commit.store(1, Ordering::SeqCst);
+    assert!(dying.fetch_and_handle(WAIT).await.unwrap().is_empty(), "crashed before acking");
+    assert_eq!(env.tasks().await.unwrap(), 1);
+    drop(dying);
+
+    // ack_wait (1 s in tests) passes and the message is redelivered to another replica.
+    let other = env.consumer(env.consumer_settings()).await.unwrap();
+    let handled = eventually("the redelivery", Duration::from_secs(30), || async {
+        let handled = other.fetch_and_handle(Duration::from_secs(2)).await?;
+        Ok((!handled.is_empty()).then_some(handled))
+    })
+    .await
+    .unwrap();
+    assert_eq!(handled, [Handled::Duplicate { operation_key: "harbor:create-followup:v1:case-104".into() }]);
+    assert_eq!(env.tasks().await.unwrap(), 1);
+    assert_eq!(env.consumer_counts().await.unwrap().inbox, 1);
+}
+
+#[tokio::test]
+async fn a_crm_store_holding_different_content_for_the_key_records_a_conflict_and_no_second_task() {
+    let env = TestEnv::start().await.unwrap();
+    let relay = env.relay(env.relay_settings()).await.unwrap();
+    let consumer = env.consumer(env.consumer_settings()).await.unwrap();
+    sqlx::query(
+        "INSERT INTO handoff_consumer.crm_task (operation_key, payload_hash, payload, approved_by)
+         VALUES ('harbor:create-followup:v1:case-104', repeat('0', 64), '{\"title\":\"different preexisting content\"}', 'someone')",
+    )
+    .execute(&env.consumer_db)
+    .await
+    .unwrap();
+    env.approve("case-104", SEED_TITLE).await.unwrap();
+    relay.publish_batch().await.unwrap();
+
+    let handled = consumer.fetch_and_handle(WAIT).await.unwrap();
+    assert!(matches!(handled.as_slice(), [Handled::Conflict { .. }]), "{handled:?}");
+    let counts = env.consumer_counts().await.unwrap();
+    assert_eq!((counts.tasks, counts.reviews), (1, 1));
+    let outcome: String =
+        sqlx::query_scalar("SELECT outcome FROM handoff_consumer.inbox").fetch_one(&env.consumer_db).await.unwrap();
+    assert_eq!(outcome, "conflict");
+    // Terminated, not redelivered: nothing more arrives.
+    assert!(consumer.fetch_and_handle(Duration::from_secs(2)).await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn two_keys_with_identical_payloads_make_two_tasks() {
+    let env = TestEnv::start().await.unwrap();
+    let relay = env.relay(env.relay_settings()).await.unwrap();
+    let consumer = env.consumer(env.consumer_settings()).await.unwrap();
+    for case in ["case-104", "case-105"] {
+        handoff_relay::record_approved_action(
+            &mut env.producer_db.acquire().await.unwrap(),
+            &handoff_relay::ApprovedAction::parse(
+                &format!("harbor:create-followup:v1:{case}"),
+                serde_json::json!({"title": SEED_TITLE}),
+                "user-17",
+                chrono::Utc::now(),
+            )
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    }
+    assert_eq!(relay.publish_batch().await.unwrap().published, 2);
+    let handled = consumer.fetch_and_handle(WAIT).await.unwrap();
+    assert_eq!(handled.iter().filter(|h| matches!(h, Handled::Created { .. })).count(), 2);
+    assert_eq!(env.tasks().await.unwrap(), 2);
+    assert_eq!(env.stream_messages().await.unwrap(), 2);
+}
+
+#[tokio::test]
+async fn a_republish_after_the_dedup_window_expired_is_stopped_by_the_consumers_unique_index() {
+    let env = TestEnv::start_with_window(Duration::from_secs(1)).await.unwrap();
+    let relay = env.relay(env.relay_settings()).await.unwrap();
+    let consumer = env.consumer(env.consumer_settings()).await.unwrap();
+    env.approve("case-104", SEED_TITLE).await.unwrap();
+    relay.publish_batch().await.unwrap();
+    consumer.fetch_and_handle(WAIT).await.unwrap();
+    assert_eq!(env.tasks().await.unwrap(), 1);
+
+    // Re-publish the very same message until the broker no longer recognizes its id.
+    let first = env.js.get_stream(&env.stream).await.unwrap().get_raw_message(1).await.unwrap();
+    eventually("the broker to forget the message id", Duration::from_secs(30), || async {
+        let ack = env
+            .js
+            .send_publish(
+                first.subject.clone(),
+                PublishMessage::build().payload(first.payload.clone()).headers(first.headers.clone()),
+            )
+            .await?
+            .await?;
+        Ok((!ack.duplicate).then_some(()))
+    })
+    .await
+    .unwrap();
+    assert_eq!(env.stream_messages().await.unwrap(), 2, "the broker stored it twice");
+
+    let handled = consumer.fetch_and_handle(WAIT).await.unwrap();
+    assert!(matches!(handled.as_slice(), [Handled::Duplicate { .. }]), "{handled:?}");
+    assert_eq!(env.tasks().await.unwrap(), 1);
+}
+
+#[tokio::test]
+async fn malformed_and_hash_mismatch_messages_are_dead_lettered_without_blocking_the_rest() {
+    let env = TestEnv::start().await.unwrap();
+    let relay = env.relay(env.relay_settings()).await.unwrap();
+    let consumer = env.consumer(env.consumer_settings()).await.unwrap();
+    let key: handoff_shared::OperationKey = "harbor:create-followup:v1:case-200".parse().unwrap();
+    let subject = env.subjects.for_key(&key);
+    let publish = |payload: Vec<u8>, id: &str| {
+        let message = PublishMessage::build().payload(payload.into()).message_id(id);
+        let js = env.js.clone();
+        let subject = subject.clone();
+        async move { js.send_publish(subject, message).await.unwrap().await.unwrap() }
+    };
+
+    // 1: not an envelope at all.
+    publish(b"not json".to_vec(), "garbage-1").await;
+    // 2: a genuine envelope whose data was changed after hashing.
+    let genuine = handoff_shared::Envelope {
+        key: key.clone(),
+        payload: handoff_shared::CanonicalPayload::new(serde_json::json!({"title": SEED_TITLE})).unwrap(),
+        approval: handoff_shared::Approval::new("user-17", chrono::Utc::now()).unwrap(),
+        source: "/test".into(),
+        time: chrono::Utc::now(),
+    };
+    let mut tampered: serde_json::Value = serde_json::from_slice(&genuine.encode()).unwrap();
+    tampered["data"]["title"] = "Call someone else".into();
+    publish(serde_json::to_vec(&tampered).unwrap(), key.as_str()).await;
+    // 3: a valid action behind both.
+    env.approve("case-104", SEED_TITLE).await.unwrap();
+    relay.publish_batch().await.unwrap();
+
+    let mut handled = Vec::new();
+    for _ in 0..10 {
+        handled.extend(consumer.fetch_and_handle(Duration::from_secs(1)).await.unwrap());
+        if handled.len() >= 3 {
+            break;
+        }
+    }
+    assert_eq!(handled.len(), 3, "{handled:?}");
+    assert!(
+        matches!(handled[0], Handled::DeadLettered { ref reason } if reason.contains("CloudEvents")),
+        "{handled:?}"
+    );
+    assert!(
+        matches!(handled[1], Handled::DeadLettered { ref reason } if reason.contains("hash mismatch")),
+        "{handled:?}"
+    );
+    assert!(matches!(handled[2], Handled::Created { .. }), "{handled:?}");
+    let counts = env.consumer_counts().await.unwrap();
+    assert_eq!((counts.dead_letters, counts.tasks, counts.inbox), (2, 1, 1));
+    let reasons: Vec<String> =
+        sqlx::query_scalar("SELECT reason FROM handoff_consumer.dead_letter ORDER BY stream_sequence")
+            .fetch_all(&env.consumer_db)
+            .await
+            .unwrap();
+    assert!(reasons[0].contains("not a CloudEvents"), "{reasons:?}");
+    assert!(reasons[1].contains("hash mismatch"), "{reasons:?}");
+    // Terminated after being recorded: nothing is redelivered.
+    assert!(consumer.fetch_and_handle(Duration::from_secs(2)).await.unwrap().is_empty());
+}

@@ -1,0 +1,8 @@
+//! End-to-end suites on real Postgres and NATS. Each test starts its own servers (see
+//! `handoff_tests::TestEnv`) and proves its claim by counting rows in the outbox, messages in the
+//! stream and tasks in the CRM store.
+
+mod consumer;
+mod producer;
+mod relay;
+mod scale;
