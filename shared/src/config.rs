@@ -116,7 +116,7 @@ impl NatsArgs {
 pub struct DatabaseArgs {
     /// Postgres URL, e.g. postgres://user:pass@host/db?sslmode=verify-full&sslrootcert=/ca.pem
     /// (the password is a secret and is never logged).
-    #[arg(long = "database-url", env = "DATABASE_URL")]
+    #[arg(long = "database-url", env = "DATABASE_URL", hide_env_values = true)]
     pub url: String,
     /// Largest number of pooled connections.
     #[arg(long = "database-max-connections", env = "DATABASE_MAX_CONNECTIONS", default_value_t = 8)]

@@ -4,6 +4,7 @@
 //! libraries exactly as the binaries build them.
 
 pub mod containers;
+pub mod process;
 
 use std::future::Future;
 use std::time::Duration;
@@ -18,6 +19,7 @@ use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 
 pub use containers::{Nats, Postgres};
+pub use process::ServiceProcess;
 
 /// The title seed 000 approves for case 104.
 pub const SEED_TITLE: &str = "Call about the approved repair plan";
@@ -130,6 +132,34 @@ impl TestEnv {
         let pool = pool(&self.database_url(&self.consumer_db)).await?;
         let client = async_nats::connect(self.nats.url()).await?;
         Consumer::build(pool, client, &self.subscription(), LocalCrm, settings).await
+    }
+
+    /// Environment for the real binaries, matching this test's stream, prefix and durable.
+    fn service_env(&self, pool: &PgPool) -> Vec<(&'static str, String)> {
+        vec![
+            ("DATABASE_URL", self.database_url(pool)),
+            ("NATS_URL", self.nats.url()),
+            ("HANDOFF_STREAM", self.stream.clone()),
+            ("HANDOFF_SUBJECT_PREFIX", self.subjects.prefix().to_owned()),
+            ("HANDOFF_DUPLICATE_WINDOW_SECS", self.duplicate_window.as_secs().to_string()),
+            ("HANDOFF_STREAM_MAX_AGE_SECS", "0".into()),
+            ("HANDOFF_CONSUMER_NAME", "crm".into()),
+            ("HANDOFF_ACK_WAIT_SECS", "1".into()),
+            ("HANDOFF_MAX_ACK_PENDING", "20000".into()),
+            ("HANDOFF_RELAY_LEASE_SECS", "1".into()),
+            ("HANDOFF_RELAY_POLL_MS", "100".into()),
+            ("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into())),
+        ]
+    }
+
+    /// Starts the real `handoff-relay` binary against this test's databases and stream.
+    pub fn relay_process(&self) -> Result<ServiceProcess> {
+        ServiceProcess::spawn("handoff-relay", &self.service_env(&self.producer_db))
+    }
+
+    /// Starts one real `handoff-consumer` replica.
+    pub fn consumer_process(&self) -> Result<ServiceProcess> {
+        ServiceProcess::spawn("handoff-consumer", &self.service_env(&self.consumer_db))
     }
 
     fn database_url(&self, pool: &PgPool) -> String {

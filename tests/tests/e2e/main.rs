@@ -3,6 +3,7 @@
 //! stream and tasks in the CRM store.
 
 mod consumer;
+mod processes;
 mod producer;
 mod relay;
 mod scale;

@@ -1,0 +1,68 @@
+//! The real `handoff-relay` and `handoff-consumer` binaries as child processes, for tests that
+//! crash them for real (SIGKILL) or stop them as an orchestrator would (SIGTERM).
+//!
+//! The binaries are looked up next to the test executable's directory (`target/<profile>/`);
+//! `scripts/test` builds them first (`cargo build --bins`).
+
+use std::path::PathBuf;
+use std::process::{ExitStatus, Stdio};
+
+use anyhow::{Context, Result, bail};
+use tokio::process::{Child, Command};
+
+/// A running service binary. Killed on drop.
+#[derive(Debug)]
+pub struct ServiceProcess {
+    name: &'static str,
+    child: Child,
+}
+
+/// Where cargo put the workspace's binaries for this profile.
+pub fn binary_path(name: &str) -> Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    // target/<profile>/deps/<test-binary> or target/<profile>/<binary>
+    for dir in exe.ancestors().skip(1).take(2) {
+        let candidate = dir.join(name);
+        if candidate.is_file() {
+            return Ok(candidate);
+        }
+    }
+    bail!("{name} is not built next to {}; run `cargo build --bins` first (scripts/test does)", exe.display())
+}
+
+impl ServiceProcess {
+    /// Starts `name` with exactly these environment variables added (stdout/stderr inherited so
+    /// the test output shows its logs).
+    pub fn spawn(name: &'static str, env: &[(&str, String)]) -> Result<Self> {
+        let path = binary_path(name)?;
+        let mut command = Command::new(&path);
+        command.envs(env.iter().map(|(k, v)| (*k, v.as_str()))).stdin(Stdio::null()).kill_on_drop(true);
+        let child = command.spawn().with_context(|| format!("spawning {}", path.display()))?;
+        Ok(Self { name, child })
+    }
+
+    /// The OS process id.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.id()
+    }
+
+    /// SIGKILL: the process dies wherever it is, as in a crash or an OOM kill.
+    pub async fn kill(&mut self) -> Result<()> {
+        self.child.kill().await.with_context(|| format!("killing {}", self.name))
+    }
+
+    /// SIGTERM, then waits for the process to exit by itself (as Kubernetes stops a pod).
+    pub async fn terminate(&mut self) -> Result<ExitStatus> {
+        let pid = self.pid().context("process already exited")?;
+        let status = std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status()?;
+        if !status.success() {
+            bail!("kill -TERM {pid} failed");
+        }
+        Ok(self.child.wait().await?)
+    }
+
+    /// Whether the process has exited, without waiting.
+    pub fn has_exited(&mut self) -> Result<bool> {
+        Ok(self.child.try_wait()?.is_some())
+    }
+}
