@@ -6,7 +6,7 @@
 //! and the messages are redelivered; a crash after it leaves the inbox rows, so the redelivery is a
 //! duplicate that acks and creates nothing. The database, not the ack, prevents the second task.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
@@ -231,8 +231,7 @@ impl<C: Crm + 'static> Consumer<C> {
             .collect();
         let new_keys = inbox::insert_new_arrivals(&mut tx, &arrivals).await?;
 
-        // The first arrival of each new key goes to the CRM; everything else is compared with what
-        // the inbox holds (including rows inserted a moment ago by this same batch).
+        // The first arrival of each new key goes to the CRM.
         let mut sent_to_crm = HashSet::new();
         let mut requests = Vec::new();
         for m in incoming {
@@ -249,7 +248,7 @@ impl<C: Crm + 'static> Consumer<C> {
             }
         }
         let task_outcomes = self.crm.create_tasks(&mut tx, &requests).await?;
-        let mut crm_result = std::collections::HashMap::new();
+        let mut crm_result = HashMap::new();
         let mut recorded = Vec::with_capacity(requests.len());
         let mut reviews = Vec::new();
         for (request, outcome) in requests.iter().zip(&task_outcomes) {
@@ -263,10 +262,16 @@ impl<C: Crm + 'static> Consumer<C> {
         }
         inbox::record_outcomes(&mut tx, &recorded).await?;
 
-        let repeated: Vec<&str> = arrivals
+        // Keys that were not new, or arrived more than once in this batch, are compared with what
+        // the inbox holds (including rows this batch inserted a moment ago).
+        let mut arrivals_per_key: HashMap<&str, usize> = HashMap::new();
+        for arrival in &arrivals {
+            *arrivals_per_key.entry(arrival.operation_key.as_str()).or_default() += 1;
+        }
+        let repeated: Vec<&str> = arrivals_per_key
             .iter()
-            .map(|a| a.operation_key.as_str())
-            .filter(|k| !sent_to_crm.contains(k) || arrivals.iter().filter(|a| a.operation_key == *k).count() > 1)
+            .filter(|&(key, &count)| !sent_to_crm.contains(key) || count > 1)
+            .map(|(key, _)| *key)
             .collect();
         let held =
             if repeated.is_empty() { Default::default() } else { inbox::recorded_hashes(&mut tx, &repeated).await? };

@@ -179,3 +179,90 @@ async fn malformed_and_hash_mismatch_messages_are_dead_lettered_without_blocking
     // Terminated after being recorded: nothing is redelivered.
     assert!(consumer.fetch_and_handle(Duration::from_secs(2)).await.unwrap().is_empty());
 }
+
+#[tokio::test]
+async fn a_failed_batch_transaction_is_retried_message_by_message() {
+    let env = TestEnv::start().await.unwrap();
+    let relay = env.relay(env.relay_settings()).await.unwrap();
+    let consumer = env.consumer(env.consumer_settings()).await.unwrap();
+    env.approve("case-104", SEED_TITLE).await.unwrap();
+    env.approve("case-105", SEED_TITLE).await.unwrap();
+    assert_eq!(relay.publish_batch().await.unwrap().published, 2);
+
+    // The batch transaction fails once; each message then commits on its own.
+    consumer.faults().fail_transaction.store(1, Ordering::SeqCst);
+    let handled = consumer.fetch_and_handle(WAIT).await.unwrap();
+    assert_eq!(handled.len(), 2, "{handled:?}");
+    assert!(handled.iter().all(|h| matches!(h, Handled::Created { .. })), "{handled:?}");
+    assert_eq!(env.tasks().await.unwrap(), 2);
+}
+
+#[tokio::test]
+async fn a_message_that_keeps_failing_is_dead_lettered_after_its_budget_not_lost() {
+    let env = TestEnv::start().await.unwrap();
+    let relay = env.relay(env.relay_settings()).await.unwrap();
+    let settings = handoff_consumer::ConsumerSettings { dead_letter_after: 3, ..env.consumer_settings() };
+    let consumer = env.consumer(settings).await.unwrap();
+    env.approve("case-104", SEED_TITLE).await.unwrap();
+    relay.publish_batch().await.unwrap();
+
+    // Every processing transaction fails, as during a long database fault.
+    consumer.faults().fail_transaction.store(u32::MAX, Ordering::SeqCst);
+    let mut outcomes = Vec::new();
+    for _ in 0..20 {
+        outcomes.extend(consumer.fetch_and_handle(Duration::from_secs(1)).await.unwrap());
+        if matches!(outcomes.last(), Some(Handled::DeadLettered { .. })) {
+            break;
+        }
+    }
+    assert!(
+        matches!(
+            outcomes.as_slice(),
+            [Handled::Retrying { .. }, Handled::Retrying { .. }, Handled::DeadLettered { .. }]
+        ),
+        "{outcomes:?}"
+    );
+    let (reason, deliveries, message_id): (String, i64, Option<String>) =
+        sqlx::query_as("SELECT reason, deliveries, message_id FROM handoff_consumer.dead_letter")
+            .fetch_one(&env.consumer_db)
+            .await
+            .unwrap();
+    assert!(reason.starts_with("failed 3 deliveries"), "{reason}");
+    assert_eq!(deliveries, 3);
+    assert_eq!(message_id.as_deref(), Some("harbor:create-followup:v1:case-104"));
+    assert_eq!(env.tasks().await.unwrap(), 0);
+    // Terminated once stored: it does not come back.
+    assert!(consumer.fetch_and_handle(Duration::from_secs(2)).await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn two_copies_of_one_key_in_the_same_batch_make_one_task() {
+    let env = TestEnv::start_with_window(Duration::from_secs(1)).await.unwrap();
+    let relay = env.relay(env.relay_settings()).await.unwrap();
+    env.approve("case-104", SEED_TITLE).await.unwrap();
+    relay.publish_batch().await.unwrap();
+    // A second stored copy of the same message, before any consumer has run.
+    let first = env.js.get_stream(&env.stream).await.unwrap().get_raw_message(1).await.unwrap();
+    eventually("a second stored copy", Duration::from_secs(30), || async {
+        let ack = env
+            .js
+            .send_publish(
+                first.subject.clone(),
+                PublishMessage::build().payload(first.payload.clone()).headers(first.headers.clone()),
+            )
+            .await?
+            .await?;
+        Ok((!ack.duplicate).then_some(()))
+    })
+    .await
+    .unwrap();
+
+    let consumer = env.consumer(env.consumer_settings()).await.unwrap();
+    let handled = consumer.fetch_and_handle(WAIT).await.unwrap();
+    assert!(
+        matches!(handled.as_slice(), [Handled::Created { .. }, Handled::Duplicate { .. }]),
+        "both copies in one batch: {handled:?}"
+    );
+    assert_eq!(env.tasks().await.unwrap(), 1);
+    assert_eq!(env.consumer_counts().await.unwrap().inbox, 1);
+}
