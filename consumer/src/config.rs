@@ -6,6 +6,8 @@ use handoff_shared::Backoff;
 use handoff_shared::config::{DatabaseArgs, LogFormat, NatsArgs};
 use handoff_shared::subject::Subjects;
 
+use crate::dispatcher::DispatchSettings;
+use crate::remote::{Capability, HttpCrmSettings};
 use crate::{ConsumerSettings, SubscriptionSettings};
 
 /// Turns approved actions from NATS JetStream into CRM tasks, once per operation key.
@@ -46,6 +48,162 @@ pub struct ConsumerConfig {
     /// Log format.
     #[arg(long, env = "LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
+    #[command(flatten)]
+    pub crm: CrmArgs,
+}
+
+/// Where tasks are created.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum CrmMode {
+    /// The CRM store in the consumer's own database (tasks commit with the inbox row).
+    Local,
+    /// A remote CRM over HTTP, through the ledger and the dispatcher.
+    Http,
+}
+
+/// What the remote CRM can prove (see `remote::Capability`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum CapabilityArg {
+    IdempotencyKey,
+    ExternalId,
+    QueryOnly,
+    None,
+}
+
+/// Remote CRM settings (used with `--crm http`).
+#[derive(Clone, clap::Args)]
+pub struct CrmArgs {
+    /// Where tasks are created.
+    #[arg(
+        id = "crm_mode",
+        value_name = "MODE",
+        long = "crm",
+        env = "HANDOFF_CRM",
+        value_enum,
+        default_value = "local"
+    )]
+    pub mode: CrmMode,
+    /// Base URL of the remote CRM.
+    #[arg(
+        id = "crm_url",
+        value_name = "URL",
+        long = "crm-url",
+        env = "HANDOFF_CRM_URL",
+        required_if_eq("crm_mode", "http")
+    )]
+    pub url: Option<String>,
+    /// Bearer token for the remote CRM (secret).
+    #[arg(
+        id = "crm_token",
+        value_name = "TOKEN",
+        long = "crm-token",
+        env = "HANDOFF_CRM_TOKEN",
+        hide_env_values = true,
+        default_value = ""
+    )]
+    pub token: String,
+    /// The destination account (evidence in every decision; part of the ledger's unique key).
+    #[arg(
+        id = "crm_account",
+        value_name = "ACCOUNT",
+        long = "crm-account",
+        env = "HANDOFF_CRM_ACCOUNT",
+        default_value = "default"
+    )]
+    pub account: String,
+    /// What the CRM offers to prove an outcome: decides how unknown outcomes are resolved.
+    #[arg(
+        id = "crm_capability",
+        value_name = "CAPABILITY",
+        long = "crm-capability",
+        env = "HANDOFF_CRM_CAPABILITY",
+        value_enum,
+        default_value = "external-id"
+    )]
+    pub capability: CapabilityArg,
+    /// How long the CRM keeps idempotency keys (its documented retention), seconds.
+    #[arg(long = "crm-key-retention-secs", env = "HANDOFF_CRM_KEY_RETENTION_SECS", default_value_t = 86_400)]
+    pub key_retention_secs: u64,
+    /// How far the CRM's search may lag behind writes, seconds (query-only capability).
+    #[arg(long = "crm-query-freshness-secs", env = "HANDOFF_CRM_QUERY_FRESHNESS_SECS", default_value_t = 30)]
+    pub query_freshness_secs: u64,
+    /// Whole-request timeout, milliseconds; past it an outcome is unknown.
+    #[arg(long = "crm-timeout-ms", env = "HANDOFF_CRM_TIMEOUT_MS", default_value_t = 10_000)]
+    pub timeout_ms: u64,
+    /// CRM calls in flight per replica.
+    #[arg(long = "crm-in-flight", env = "HANDOFF_CRM_IN_FLIGHT", default_value_t = 16)]
+    pub in_flight: i64,
+    /// Create attempts before an action goes to review.
+    #[arg(long = "crm-max-attempts", env = "HANDOFF_CRM_MAX_ATTEMPTS", default_value_t = 5)]
+    pub max_attempts: i32,
+    /// Delay between readbacks of an unknown outcome, milliseconds.
+    #[arg(long = "crm-readback-interval-ms", env = "HANDOFF_CRM_READBACK_INTERVAL_MS", default_value_t = 1000)]
+    pub readback_interval_ms: u64,
+    /// How long readback may be unavailable before review, seconds.
+    #[arg(long = "crm-readback-window-secs", env = "HANDOFF_CRM_READBACK_WINDOW_SECS", default_value_t = 300)]
+    pub readback_window_secs: u64,
+    /// Lease on a ledger row while a replica calls the CRM, seconds (longer than the timeout).
+    #[arg(long = "crm-lease-secs", env = "HANDOFF_CRM_LEASE_SECS", default_value_t = 60.0)]
+    pub lease_secs: f64,
+}
+
+impl std::fmt::Debug for CrmArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CrmArgs")
+            .field("mode", &self.mode)
+            .field("url", &self.url)
+            .field("token", &"<redacted>")
+            .field("account", &self.account)
+            .field("capability", &self.capability)
+            .field("timeout_ms", &self.timeout_ms)
+            .field("in_flight", &self.in_flight)
+            .finish_non_exhaustive()
+    }
+}
+
+impl CrmArgs {
+    /// The declared capability.
+    pub fn capability(&self) -> Capability {
+        match self.capability {
+            CapabilityArg::IdempotencyKey => {
+                Capability::IdempotencyKey { retention: Duration::from_secs(self.key_retention_secs) }
+            }
+            CapabilityArg::ExternalId => Capability::ExternalId,
+            CapabilityArg::QueryOnly => {
+                Capability::QueryOnly { freshness: Duration::from_secs(self.query_freshness_secs) }
+            }
+            CapabilityArg::None => Capability::Nothing,
+        }
+    }
+
+    /// The HTTP adapter these flags describe.
+    pub fn http_settings(&self) -> anyhow::Result<HttpCrmSettings> {
+        let timeout = Duration::from_millis(self.timeout_ms);
+        anyhow::ensure!(
+            Duration::from_secs_f64(self.lease_secs) > timeout,
+            "--crm-lease-secs must exceed --crm-timeout-ms, or a live call could be taken over"
+        );
+        Ok(HttpCrmSettings {
+            base_url: self.url.clone().ok_or_else(|| anyhow::anyhow!("--crm-url is required with --crm http"))?,
+            token: self.token.clone(),
+            account: self.account.clone(),
+            capability: self.capability(),
+            timeout,
+            connect_timeout: timeout.min(Duration::from_secs(5)),
+        })
+    }
+
+    /// The dispatcher settings these flags describe.
+    pub fn dispatch_settings(&self) -> DispatchSettings {
+        DispatchSettings {
+            in_flight: self.in_flight,
+            lease: Duration::from_secs_f64(self.lease_secs),
+            max_attempts: self.max_attempts,
+            readback_interval: Duration::from_millis(self.readback_interval_ms),
+            readback_window: Duration::from_secs(self.readback_window_secs),
+            ..DispatchSettings::default()
+        }
+    }
 }
 
 impl ConsumerConfig {
@@ -74,5 +232,37 @@ impl ConsumerConfig {
             },
             ..ConsumerSettings::default()
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+
+    use super::*;
+
+    #[test]
+    fn the_command_line_is_consistent() {
+        ConsumerConfig::command().debug_assert();
+    }
+
+    #[test]
+    fn http_mode_needs_a_url_and_a_lease_longer_than_the_timeout() {
+        let base = ["handoff-consumer", "--database-url", "postgres://db/x"];
+        assert!(ConsumerConfig::try_parse_from(base.iter().chain(&["--crm", "http"])).is_err());
+        let config =
+            ConsumerConfig::try_parse_from(base.iter().chain(&["--crm", "http", "--crm-url", "http://crm"])).unwrap();
+        assert_eq!(config.crm.capability(), Capability::ExternalId);
+        assert!(config.crm.http_settings().is_ok());
+        let config = ConsumerConfig::try_parse_from(base.iter().chain(&[
+            "--crm",
+            "http",
+            "--crm-url",
+            "http://crm",
+            "--crm-timeout-ms",
+            "90000",
+        ]))
+        .unwrap();
+        assert!(config.crm.http_settings().is_err());
     }
 }

@@ -56,6 +56,8 @@ impl Default for ConsumerSettings {
 pub enum Handled {
     /// A new task; acked.
     Created { operation_key: String, task_id: i64 },
+    /// Recorded in the remote-CRM ledger, which now owns the call and its retries; acked.
+    Accepted { operation_key: String },
     /// The key was already handled with the same content (or the CRM already held the task); acked.
     Duplicate { operation_key: String },
     /// Same key, different content: recorded for review; terminated.
@@ -254,11 +256,12 @@ impl<C: Crm + 'static> Consumer<C> {
         for (request, outcome) in requests.iter().zip(&task_outcomes) {
             crm_result.insert(request.operation_key.as_str(), *outcome);
             let (kind, task_id) = match *outcome {
-                TaskOutcome::Created { task_id } => ("task_created", task_id),
-                TaskOutcome::Existing { task_id } => ("task_existed", task_id),
-                TaskOutcome::Conflict { task_id } => ("conflict", task_id),
+                TaskOutcome::Created { task_id } => ("task_created", Some(task_id)),
+                TaskOutcome::Existing { task_id } => ("task_existed", Some(task_id)),
+                TaskOutcome::Conflict { task_id } => ("conflict", Some(task_id)),
+                TaskOutcome::Accepted => ("accepted", None),
             };
-            recorded.push((request.operation_key.clone(), kind, Some(task_id)));
+            recorded.push((request.operation_key.clone(), kind, task_id));
         }
         inbox::record_outcomes(&mut tx, &recorded).await?;
 
@@ -294,6 +297,7 @@ impl<C: Crm + 'static> Consumer<C> {
                 Some(outcome) if first_seen.insert(key) => match *outcome {
                     TaskOutcome::Created { task_id } => Handled::Created { operation_key: key.to_owned(), task_id },
                     TaskOutcome::Existing { .. } => Handled::Duplicate { operation_key: key.to_owned() },
+                    TaskOutcome::Accepted => Handled::Accepted { operation_key: key.to_owned() },
                     TaskOutcome::Conflict { .. } => {
                         reviews.push(ReviewItem {
                             operation_key: key.to_owned(),
@@ -348,7 +352,7 @@ impl<C: Crm + 'static> Consumer<C> {
     async fn acknowledge(&self, incoming: &[Incoming], outcomes: &[Handled]) {
         join_all(incoming.iter().zip(outcomes).map(|(m, outcome)| async move {
             let kind = match outcome {
-                Handled::Created { .. } | Handled::Duplicate { .. } => AckKind::Ack,
+                Handled::Created { .. } | Handled::Accepted { .. } | Handled::Duplicate { .. } => AckKind::Ack,
                 Handled::Conflict { .. } | Handled::DeadLettered { .. } => AckKind::Term,
                 Handled::Retrying { .. } => AckKind::Nak(Some(self.settings.backoff.delay(m.delivered.max(1) as u32))),
             };

@@ -23,6 +23,8 @@ pub enum TaskOutcome {
     Existing { task_id: i64 },
     /// The CRM holds different content for this key: a person must decide.
     Conflict { task_id: i64 },
+    /// Recorded for dispatch to a remote CRM (see `ledger::LedgerCrm`); the outcome comes later.
+    Accepted,
 }
 
 /// Why the CRM call failed as a whole. Transient: the batch is retried.

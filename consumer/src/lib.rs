@@ -2,6 +2,9 @@
 //!
 //! * [`inbox`] owns the consumer's tables and their batched statements.
 //! * [`crm`] is the CRM boundary ([`crm::Crm`]) and the local store ([`crm::LocalCrm`]).
+//! * [`ledger`], [`dispatcher`] and [`remote`] are the remote-CRM path: the ledger row is written
+//!   in the intake transaction, the dispatcher calls the CRM over HTTP and proves every outcome.
+//! * [`review`] is the operators' queue (the `handoff-review` binary).
 //! * [`subscription`] binds the durable pull consumer the replicas share.
 //! * [`consumer`] orchestrates verify -> one transaction -> commit -> ack, and the run loop.
 //! * [`config`] is the command line / environment surface of the `handoff-consumer` binary.
@@ -9,7 +12,11 @@
 pub mod config;
 pub mod consumer;
 pub mod crm;
+pub mod dispatcher;
 pub mod inbox;
+pub mod ledger;
+pub mod remote;
+pub mod review;
 pub mod subscription;
 
 pub use consumer::{Consumer, ConsumerFaults, ConsumerSettings, Handled};

@@ -1,7 +1,11 @@
-//! `handoff-consumer`: one replica of the durable consumer, run until SIGTERM or Ctrl-C.
+//! `handoff-consumer`: one replica of the durable consumer, run until SIGTERM or Ctrl-C. With
+//! `--crm http` it also runs this replica's dispatcher for the remote CRM.
 
 use clap::Parser;
-use handoff_consumer::config::ConsumerConfig;
+use handoff_consumer::config::{ConsumerConfig, CrmMode};
+use handoff_consumer::dispatcher::Dispatcher;
+use handoff_consumer::ledger::LedgerCrm;
+use handoff_consumer::remote::HttpCrm;
 use handoff_consumer::{Consumer, LocalCrm};
 use tokio_util::sync::CancellationToken;
 
@@ -12,10 +16,24 @@ async fn main() -> anyhow::Result<()> {
     tracing::info!(?config, "starting handoff-consumer");
     let pool = config.database.connect("handoff-consumer").await?;
     let client = config.nats.connect("handoff-consumer").await?;
-    let consumer = Consumer::build(pool, client.clone(), &config.subscription()?, LocalCrm, config.settings()).await?;
     let token = CancellationToken::new();
     tokio::spawn(handoff_shared::config::shutdown_on_signal(token.clone()));
-    consumer.run_until_stopped(token).await?;
+    let subscription = config.subscription()?;
+    match config.crm.mode {
+        CrmMode::Local => {
+            let consumer = Consumer::build(pool, client.clone(), &subscription, LocalCrm, config.settings()).await?;
+            consumer.run_until_stopped(token).await?;
+        }
+        CrmMode::Http => {
+            let crm = HttpCrm::new(config.crm.http_settings()?)?;
+            let ledger = LedgerCrm { account: config.crm.account.clone() };
+            let consumer =
+                Consumer::build(pool.clone(), client.clone(), &subscription, ledger, config.settings()).await?;
+            let dispatcher = Dispatcher::new(pool, crm, config.crm.dispatch_settings());
+            // Either half failing stops the replica; the orchestrator restarts it.
+            tokio::try_join!(consumer.run_until_stopped(token.clone()), dispatcher.run_until_stopped(token.clone()))?;
+        }
+    }
     client.drain().await?;
     Ok(())
 }

@@ -5,6 +5,7 @@
 
 pub mod containers;
 pub mod process;
+pub mod remote;
 
 use std::future::Future;
 use std::time::Duration;
@@ -159,7 +160,24 @@ impl TestEnv {
 
     /// Starts one real `handoff-consumer` replica.
     pub fn consumer_process(&self) -> Result<ServiceProcess> {
-        ServiceProcess::spawn("handoff-consumer", &self.service_env(&self.consumer_db))
+        self.consumer_process_with(&[])
+    }
+
+    /// Starts one real `handoff-consumer` replica with extra settings (e.g. `HANDOFF_CRM=http`).
+    pub fn consumer_process_with(&self, extra: &[(&'static str, String)]) -> Result<ServiceProcess> {
+        let mut env = self.service_env(&self.consumer_db);
+        env.extend(extra.iter().cloned());
+        ServiceProcess::spawn("handoff-consumer", &env)
+    }
+
+    /// URL of the consumer's database (for extra pools and processes).
+    pub fn consumer_url(&self) -> String {
+        self.database_url(&self.consumer_db)
+    }
+
+    /// URL of the producer's database.
+    pub fn producer_url(&self) -> String {
+        self.database_url(&self.producer_db)
     }
 
     fn database_url(&self, pool: &PgPool) -> String {

@@ -6,4 +6,5 @@ mod consumer;
 mod processes;
 mod producer;
 mod relay;
+mod remote;
 mod scale;

@@ -1,0 +1,456 @@
+//! The dispatcher: drives remote-CRM ledger rows to `settled` or `review`.
+//!
+//! Retries are scheduled by the database, not by JetStream redelivery: the message was acked when
+//! its ledger row committed, so a slow CRM, a long `Retry-After` or a readback window never holds
+//! broker acks (`ack_wait`, `max_ack_pending` stay about intake only). Each replica runs a
+//! dispatcher; `FOR UPDATE SKIP LOCKED` and a lease make sure only one replica works a key at a
+//! time, and a replica that dies mid-call leaves an expired `dispatching` lease that the next
+//! claimer turns into `unknown` and reads back. **No create is ever sent while an outcome is
+//! unknown**: a second create needs proof of non-execution (an authoritative readback) first.
+//!
+//! The decisions are pure functions ([`after_create`], [`after_readback`]) so each rule of
+//! seed 004's table is unit-tested without a network.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use futures::future::join_all;
+use handoff_shared::Backoff;
+use sqlx::PgPool;
+use sqlx::postgres::PgListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::ledger::{self, ClaimedOperation, Decision, Event, state};
+use crate::remote::{Capability, CreateOutcome, HttpCrm, Readback, RemoteTask};
+
+/// The channel new ledger rows signal on.
+pub const NOTIFY_CHANNEL: &str = "handoff_dispatch";
+
+/// How the dispatcher retries, reads back and gives up.
+#[derive(Debug, Clone)]
+pub struct DispatchSettings {
+    /// Rows claimed at once = CRM calls in flight per replica.
+    pub in_flight: i64,
+    /// Lease on a claimed row; must exceed the HTTP timeout so a live call is never taken over.
+    pub lease: Duration,
+    /// Create attempts before a row goes to review.
+    pub max_attempts: i32,
+    /// Delay before retrying a create the CRM refused without executing (429/503).
+    pub backoff: Backoff,
+    /// Delay between readbacks of an unknown outcome.
+    pub readback_interval: Duration,
+    /// How long readback may stay unavailable before a person must decide.
+    pub readback_window: Duration,
+    /// Idle poll interval (new rows also wake the dispatcher through LISTEN/NOTIFY).
+    pub poll_interval: Duration,
+}
+
+impl Default for DispatchSettings {
+    fn default() -> Self {
+        Self {
+            in_flight: 16,
+            lease: Duration::from_secs(60),
+            max_attempts: 5,
+            backoff: Backoff { initial: Duration::from_secs(1), max: Duration::from_secs(300), ..Backoff::default() },
+            readback_interval: Duration::from_secs(1),
+            readback_window: Duration::from_secs(300),
+            poll_interval: Duration::from_millis(500),
+        }
+    }
+}
+
+/// What one dispatch did for one key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Dispatched {
+    pub operation_key: String,
+    /// `create` or `readback` (or `none` when a rule decided without calling the CRM).
+    pub call: &'static str,
+    /// The state recorded afterwards.
+    pub state: &'static str,
+    pub note: String,
+}
+
+/// One replica's dispatcher.
+#[derive(Debug, Clone)]
+pub struct Dispatcher {
+    pool: PgPool,
+    crm: HttpCrm,
+    settings: DispatchSettings,
+    owner: String,
+}
+
+impl Dispatcher {
+    /// A dispatcher on the consumer's database (migrated by `Consumer::build`).
+    pub fn new(pool: PgPool, crm: HttpCrm, settings: DispatchSettings) -> Self {
+        let owner = format!("dispatcher-{:016x}", rand::random::<u64>());
+        Self { pool, crm, settings, owner }
+    }
+
+    /// Claims due rows and works them concurrently: each makes one CRM call (or none) and records
+    /// its decision in its own short transaction.
+    pub async fn dispatch_due(&self) -> Result<Vec<Dispatched>, sqlx::Error> {
+        let claimed = ledger::claim_due(&self.pool, &self.owner, self.settings.in_flight, self.settings.lease).await?;
+        let results = join_all(claimed.into_iter().map(|op| self.work(op))).await;
+        results.into_iter().filter_map(|r| r.transpose()).collect()
+    }
+
+    async fn work(&self, op: ClaimedOperation) -> Result<Option<Dispatched>, sqlx::Error> {
+        let now = Utc::now();
+        let (call, decision, mut events) = match op.prior_state.as_str() {
+            state::RECEIVED | state::PROVED_NOT_EXECUTED => {
+                let outcome = self
+                    .crm
+                    .create(&RemoteTask {
+                        operation_key: &op.operation_key,
+                        payload_hash: &op.payload_hash,
+                        payload: &op.payload.0,
+                    })
+                    .await;
+                let decision = after_create(self.crm.capability(), &outcome, &op, &self.settings);
+                ("create", decision, vec![("attempt", Some(op.attempts), create_evidence(&outcome))])
+            }
+            _ => match retention_expired(self.crm.capability(), &op, now) {
+                Some(decision) => ("none", decision, Vec::new()),
+                None => {
+                    let readback = self.crm.readback(&op.operation_key).await;
+                    let decision = after_readback(self.crm.capability(), &readback, &op, now, &self.settings);
+                    ("readback", decision, vec![("readback", None, readback_evidence(&readback))])
+                }
+            },
+        };
+        if op.prior_state == state::DISPATCHING {
+            events.insert(
+                0,
+                (
+                    "decision",
+                    Some(op.attempts),
+                    "lease expired while dispatching: the replica may have reached the CRM".into(),
+                ),
+            );
+        }
+        events.push(("decision", None, decision.note.clone()));
+        let events: Vec<Event<'_>> =
+            events.iter().map(|(kind, attempt, evidence)| Event { kind, attempt: *attempt, evidence }).collect();
+        if !ledger::record(&self.pool, &self.owner, &op.operation_key, &decision, &events).await? {
+            tracing::warn!(operation_key = %op.operation_key, "lease lost before recording; another replica owns the key");
+            return Ok(None);
+        }
+        let level_review = decision.state == state::REVIEW;
+        if level_review {
+            tracing::warn!(operation_key = %op.operation_key, call, note = %decision.note, "held for review");
+        } else {
+            tracing::info!(operation_key = %op.operation_key, call, state = decision.state, note = %decision.note, "dispatched");
+        }
+        Ok(Some(Dispatched { operation_key: op.operation_key, call, state: decision.state, note: decision.note }))
+    }
+
+    /// Dispatches until `token` is cancelled; calls in flight finish and are recorded first.
+    pub async fn run_until_stopped(self, token: CancellationToken) -> anyhow::Result<()> {
+        let mut listener = PgListener::connect_with(&self.pool).await?;
+        listener.listen(NOTIFY_CHANNEL).await?;
+        while !token.is_cancelled() {
+            let busy = match self.dispatch_due().await {
+                Ok(done) => done.len() as i64 >= self.settings.in_flight,
+                Err(error) => {
+                    tracing::error!(%error, "dispatch failed; retrying");
+                    false
+                }
+            };
+            if busy {
+                continue;
+            }
+            tokio::select! {
+                // Stop requested while idle.
+                _ = token.cancelled() => break,
+                // New ledger rows: dispatch now.
+                notification = listener.recv() => {
+                    if let Err(error) = notification {
+                        tracing::warn!(%error, "dispatch listener failed; polling continues");
+                    }
+                }
+                // Retries and readbacks fall due by time.
+                _ = tokio::time::sleep(self.settings.poll_interval) => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+fn create_evidence(outcome: &CreateOutcome) -> String {
+    match outcome {
+        CreateOutcome::Created { task_id, evidence } => format!("{evidence}: task {task_id}"),
+        CreateOutcome::Conflict { evidence }
+        | CreateOutcome::Permanent { evidence }
+        | CreateOutcome::Unknown { evidence } => evidence.clone(),
+        CreateOutcome::NotExecuted { retry_after, evidence } => match retry_after {
+            Some(after) => format!("{evidence}, Retry-After {}s", after.as_secs()),
+            None => evidence.clone(),
+        },
+    }
+}
+
+fn readback_evidence(readback: &Readback) -> String {
+    match readback {
+        Readback::Found { task_id, payload_hash, evidence } => {
+            format!("{evidence}: task {task_id}, hash {payload_hash}")
+        }
+        Readback::Absent { evidence, .. } | Readback::Ambiguous { evidence } | Readback::Unavailable { evidence } => {
+            evidence.clone()
+        }
+    }
+}
+
+fn decide(state: &'static str, after: Duration, note: impl Into<String>) -> Decision {
+    Decision { state, after, crm_task_id: None, proof: None, note: note.into() }
+}
+
+/// The decision after a create attempt.
+pub fn after_create(
+    capability: Capability,
+    outcome: &CreateOutcome,
+    op: &ClaimedOperation,
+    settings: &DispatchSettings,
+) -> Decision {
+    match outcome {
+        CreateOutcome::Created { task_id, .. } => Decision {
+            crm_task_id: Some(task_id.clone()),
+            proof: Some("create_response"),
+            ..decide(state::SETTLED, Duration::ZERO, format!("created as {task_id}"))
+        },
+        CreateOutcome::Conflict { evidence } => {
+            decide(state::REVIEW, Duration::ZERO, format!("conflict: the CRM holds different content ({evidence})"))
+        }
+        CreateOutcome::Permanent { evidence } => {
+            decide(state::REVIEW, Duration::ZERO, format!("rejected, not retryable ({evidence})"))
+        }
+        CreateOutcome::NotExecuted { .. } if op.attempts >= settings.max_attempts => decide(
+            state::REVIEW,
+            Duration::ZERO,
+            format!("retry budget exhausted after {} attempts; the CRM never executed it", op.attempts),
+        ),
+        CreateOutcome::NotExecuted { retry_after, .. } => {
+            let backoff = settings.backoff.delay(op.attempts.max(1) as u32);
+            let after = retry_after.map_or(backoff, |r| r.max(backoff));
+            decide(state::RECEIVED, after, format!("not executed by the CRM; retry in {}ms", after.as_millis()))
+        }
+        CreateOutcome::Unknown { .. } if capability == Capability::Nothing => decide(
+            state::REVIEW,
+            Duration::ZERO,
+            "outcome unknown and the destination offers no way to prove it: a person must check",
+        ),
+        CreateOutcome::Unknown { .. } => {
+            decide(state::UNKNOWN, settings.readback_interval, "outcome unknown: read back before anything else")
+        }
+    }
+}
+
+/// For a destination with idempotency keys: once the CRM has forgotten the key, neither a readback
+/// by key nor a retry with it proves anything, so an unknown outcome goes to a person.
+pub fn retention_expired(capability: Capability, op: &ClaimedOperation, now: DateTime<Utc>) -> Option<Decision> {
+    let Capability::IdempotencyKey { retention } = capability else { return None };
+    let first = op.first_attempt_at?;
+    let age = (now - first).to_std().unwrap_or_default();
+    (age >= retention).then(|| {
+        decide(
+            state::REVIEW,
+            Duration::ZERO,
+            format!(
+                "CRM idempotency-key retention ({}s) expired while the outcome was unknown: no blind retry",
+                retention.as_secs()
+            ),
+        )
+    })
+}
+
+/// The decision after a readback of an unknown outcome.
+pub fn after_readback(
+    capability: Capability,
+    readback: &Readback,
+    op: &ClaimedOperation,
+    now: DateTime<Utc>,
+    settings: &DispatchSettings,
+) -> Decision {
+    let proof = match capability {
+        Capability::IdempotencyKey { .. } => "readback_by_key",
+        Capability::ExternalId => "readback_by_external_id",
+        Capability::QueryOnly { .. } | Capability::Nothing => "query",
+    };
+    let since_attempt = op.last_attempt_at.map_or(Duration::MAX, |t| (now - t).to_std().unwrap_or_default());
+    match readback {
+        Readback::Found { task_id, payload_hash, .. } if *payload_hash == op.payload_hash => Decision {
+            crm_task_id: Some(task_id.clone()),
+            proof: Some(proof),
+            ..decide(state::SETTLED, Duration::ZERO, format!("settled by readback: {task_id} exists"))
+        },
+        Readback::Found { task_id, .. } => decide(
+            state::REVIEW,
+            Duration::ZERO,
+            format!("conflict: {task_id} exists for this key with different content"),
+        ),
+        Readback::Ambiguous { evidence } => {
+            decide(state::REVIEW, Duration::ZERO, format!("several CRM records match this key ({evidence})"))
+        }
+        Readback::Absent { .. } if capability == Capability::Nothing => {
+            decide(state::REVIEW, Duration::ZERO, "no authoritative lookup: a person must check")
+        }
+        Readback::Absent { authoritative: false, .. } => match capability {
+            Capability::QueryOnly { freshness } if since_attempt < freshness => decide(
+                state::UNKNOWN,
+                settings.readback_interval.min(freshness - since_attempt).max(Duration::from_millis(10)),
+                format!("not found, but the search may lag {}s behind writes: not proof yet", freshness.as_secs()),
+            ),
+            _ => not_executed(op, settings, "absent from the search after its freshness window"),
+        },
+        Readback::Absent { authoritative: true, .. } => not_executed(op, settings, "absent by authoritative lookup"),
+        Readback::Unavailable { evidence } => {
+            let unknown_for = op.unknown_since.map_or(Duration::ZERO, |t| (now - t).to_std().unwrap_or_default());
+            if matches!(capability, Capability::IdempotencyKey { .. }) && op.attempts < settings.max_attempts {
+                // The key is retained (checked before the readback): a retry with the same key
+                // and payload returns the original task if it exists, so it is safe.
+                decide(
+                    state::PROVED_NOT_EXECUTED,
+                    Duration::ZERO,
+                    "readback unavailable; retrying with the same idempotency key, which the CRM still holds",
+                )
+            } else if unknown_for >= settings.readback_window {
+                decide(
+                    state::REVIEW,
+                    Duration::ZERO,
+                    format!(
+                        "readback unavailable for {}s (window {}s): a person must check ({evidence})",
+                        unknown_for.as_secs(),
+                        settings.readback_window.as_secs()
+                    ),
+                )
+            } else {
+                decide(
+                    state::UNKNOWN,
+                    settings.readback_interval,
+                    format!("readback unavailable, will look again ({evidence})"),
+                )
+            }
+        }
+    }
+}
+
+fn not_executed(op: &ClaimedOperation, settings: &DispatchSettings, why: &str) -> Decision {
+    if op.attempts >= settings.max_attempts {
+        decide(
+            state::REVIEW,
+            Duration::ZERO,
+            format!("{why}, but the retry budget ({}) is spent", settings.max_attempts),
+        )
+    } else {
+        decide(
+            state::PROVED_NOT_EXECUTED,
+            Duration::ZERO,
+            format!("{why}: proved not executed, one new attempt with the same key"),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn op(attempts: i32) -> ClaimedOperation {
+        let now = Utc::now();
+        ClaimedOperation {
+            operation_key: "harbor:create-followup:v1:case-104".into(),
+            account: "acct".into(),
+            payload_hash: "a".repeat(64),
+            payload: sqlx::types::Json(serde_json::json!({"x": 1})),
+            prior_state: state::UNKNOWN.into(),
+            attempts,
+            first_attempt_at: Some(now),
+            last_attempt_at: Some(now),
+            unknown_since: Some(now),
+        }
+    }
+
+    fn settings() -> DispatchSettings {
+        DispatchSettings { max_attempts: 3, readback_window: Duration::from_secs(60), ..DispatchSettings::default() }
+    }
+
+    const EXTERNAL: Capability = Capability::ExternalId;
+
+    #[test]
+    fn a_lost_reply_is_unknown_and_never_a_retry() {
+        let d = after_create(EXTERNAL, &CreateOutcome::Unknown { evidence: "timed out".into() }, &op(1), &settings());
+        assert_eq!(d.state, state::UNKNOWN);
+        let d = after_create(
+            Capability::Nothing,
+            &CreateOutcome::Unknown { evidence: "reset".into() },
+            &op(1),
+            &settings(),
+        );
+        assert_eq!(d.state, state::REVIEW);
+    }
+
+    #[test]
+    fn refusals_retry_with_backoff_and_honour_retry_after_until_the_budget_is_spent() {
+        let refused = CreateOutcome::NotExecuted { retry_after: Some(Duration::from_secs(7)), evidence: "429".into() };
+        let d = after_create(EXTERNAL, &refused, &op(1), &settings());
+        assert_eq!(d.state, state::RECEIVED);
+        assert!(d.after >= Duration::from_secs(7));
+        assert_eq!(after_create(EXTERNAL, &refused, &op(3), &settings()).state, state::REVIEW);
+    }
+
+    #[test]
+    fn conflicts_and_permanent_errors_go_to_review_at_once() {
+        for outcome in
+            [CreateOutcome::Conflict { evidence: "409".into() }, CreateOutcome::Permanent { evidence: "422".into() }]
+        {
+            assert_eq!(after_create(EXTERNAL, &outcome, &op(1), &settings()).state, state::REVIEW);
+        }
+    }
+
+    #[test]
+    fn readback_settles_only_with_our_payload() {
+        let ours = Readback::Found { task_id: "T-1".into(), payload_hash: "a".repeat(64), evidence: "200".into() };
+        let d = after_readback(EXTERNAL, &ours, &op(1), Utc::now(), &settings());
+        assert_eq!(
+            (d.state, d.crm_task_id.as_deref(), d.proof),
+            (state::SETTLED, Some("T-1"), Some("readback_by_external_id"))
+        );
+        let theirs = Readback::Found { task_id: "T-1".into(), payload_hash: "b".repeat(64), evidence: "200".into() };
+        assert_eq!(after_readback(EXTERNAL, &theirs, &op(1), Utc::now(), &settings()).state, state::REVIEW);
+    }
+
+    #[test]
+    fn authoritative_absence_allows_one_new_attempt_within_budget() {
+        let absent = Readback::Absent { authoritative: true, evidence: "404".into() };
+        assert_eq!(
+            after_readback(EXTERNAL, &absent, &op(1), Utc::now(), &settings()).state,
+            state::PROVED_NOT_EXECUTED
+        );
+        assert_eq!(after_readback(EXTERNAL, &absent, &op(3), Utc::now(), &settings()).state, state::REVIEW);
+    }
+
+    #[test]
+    fn a_search_miss_inside_the_freshness_window_is_not_proof() {
+        let query = Capability::QueryOnly { freshness: Duration::from_secs(30) };
+        let absent = Readback::Absent { authoritative: false, evidence: "0 results".into() };
+        let fresh = op(1);
+        assert_eq!(after_readback(query, &absent, &fresh, Utc::now(), &settings()).state, state::UNKNOWN);
+        let later = Utc::now() + chrono::Duration::seconds(31);
+        assert_eq!(after_readback(query, &absent, &fresh, later, &settings()).state, state::PROVED_NOT_EXECUTED);
+    }
+
+    #[test]
+    fn unavailable_readback_waits_out_its_window_then_asks_a_person() {
+        let unavailable = Readback::Unavailable { evidence: "503".into() };
+        assert_eq!(after_readback(EXTERNAL, &unavailable, &op(1), Utc::now(), &settings()).state, state::UNKNOWN);
+        let later = Utc::now() + chrono::Duration::seconds(61);
+        assert_eq!(after_readback(EXTERNAL, &unavailable, &op(1), later, &settings()).state, state::REVIEW);
+    }
+
+    #[test]
+    fn an_expired_idempotency_key_sends_an_unknown_outcome_to_review() {
+        let keyed = Capability::IdempotencyKey { retention: Duration::from_secs(10) };
+        assert!(retention_expired(keyed, &op(1), Utc::now()).is_none());
+        let later = Utc::now() + chrono::Duration::seconds(11);
+        assert_eq!(retention_expired(keyed, &op(1), later).map(|d| d.state), Some(state::REVIEW));
+        assert!(retention_expired(EXTERNAL, &op(1), later).is_none());
+    }
+}

@@ -1,0 +1,204 @@
+//! The remote-CRM ledger (`handoff_consumer.crm_operation` and its event log): every statement on
+//! those tables. See the state diagram in `migrations/20261129000002_remote_crm_ledger.sql`.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sqlx::{PgConnection, PgPool};
+
+use crate::crm::{Crm, CrmError, TaskOutcome, TaskRequest};
+
+/// Ledger states.
+pub mod state {
+    pub const RECEIVED: &str = "received";
+    pub const DISPATCHING: &str = "dispatching";
+    pub const UNKNOWN: &str = "unknown";
+    pub const PROVED_NOT_EXECUTED: &str = "proved_not_executed";
+    pub const SETTLED: &str = "settled";
+    pub const REVIEW: &str = "review";
+}
+
+/// The intake side of a remote CRM: inside the consumer's batch transaction, each new key gets a
+/// ledger row (`received`) that the dispatcher will drive to `settled` or `review`. The message is
+/// acked once this is committed: from then on the database, not the broker, owns the retries.
+#[derive(Debug, Clone)]
+pub struct LedgerCrm {
+    /// The destination account, part of the ledger's unique (account, operation key).
+    pub account: String,
+}
+
+impl Crm for LedgerCrm {
+    async fn create_tasks(
+        &self,
+        conn: &mut PgConnection,
+        requests: &[TaskRequest],
+    ) -> Result<Vec<TaskOutcome>, CrmError> {
+        const ACCEPT: &str = r#"
+            INSERT INTO handoff_consumer.crm_operation (operation_key, account, payload_hash, payload)
+            SELECT k, $1, h, p FROM UNNEST($2::text[], $3::text[], $4::jsonb[]) AS u(k, h, p)
+            ON CONFLICT (operation_key) DO NOTHING"#;
+        if requests.is_empty() {
+            return Ok(Vec::new());
+        }
+        sqlx::query(ACCEPT)
+            .bind(&self.account)
+            .bind(requests.iter().map(|r| r.operation_key.as_str()).collect::<Vec<_>>())
+            .bind(requests.iter().map(|r| r.payload_hash.as_str()).collect::<Vec<_>>())
+            .bind(requests.iter().map(|r| r.payload.clone()).collect::<Vec<_>>())
+            .execute(&mut *conn)
+            .await?;
+        Ok(requests.iter().map(|_| TaskOutcome::Accepted).collect())
+    }
+}
+
+/// A ledger row a dispatcher holds under lease.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct ClaimedOperation {
+    pub operation_key: String,
+    pub account: String,
+    pub payload_hash: String,
+    pub payload: sqlx::types::Json<serde_json::Value>,
+    /// The state before the claim: `received` / `proved_not_executed` (a create follows),
+    /// `unknown` (a readback follows) or `dispatching` (its replica died mid-call: readback).
+    pub prior_state: String,
+    /// Create attempts, including one this claim starts.
+    pub attempts: i32,
+    pub first_attempt_at: Option<DateTime<Utc>>,
+    /// When the last create attempt started (readbacks judge freshness from it).
+    pub last_attempt_at: Option<DateTime<Utc>>,
+    pub unknown_since: Option<DateTime<Utc>>,
+}
+
+/// Claims up to `limit` due operations for `owner` for `lease`. A create claim counts the attempt
+/// and records its start *before* the call; an expired `dispatching` lease becomes `unknown`,
+/// because its replica may have reached the CRM before dying.
+pub async fn claim_due(
+    pool: &PgPool,
+    owner: &str,
+    limit: i64,
+    lease: Duration,
+) -> Result<Vec<ClaimedOperation>, sqlx::Error> {
+    const CLAIM_DUE: &str = r#"
+        WITH due AS (
+            SELECT operation_key, state AS prior_state
+              FROM handoff_consumer.crm_operation
+             WHERE state IN ('received', 'dispatching', 'unknown', 'proved_not_executed')
+               AND next_attempt_at <= now()
+             ORDER BY next_attempt_at
+             LIMIT $1
+               FOR UPDATE SKIP LOCKED
+        )
+        UPDATE handoff_consumer.crm_operation AS o
+           SET state = CASE WHEN due.prior_state IN ('received', 'proved_not_executed') THEN 'dispatching'
+                            ELSE 'unknown' END,
+               attempts = o.attempts + CASE WHEN due.prior_state IN ('received', 'proved_not_executed') THEN 1 ELSE 0 END,
+               readbacks = o.readbacks + CASE WHEN due.prior_state IN ('received', 'proved_not_executed') THEN 0 ELSE 1 END,
+               first_attempt_at = COALESCE(o.first_attempt_at, now()),
+               last_attempt_at = CASE WHEN due.prior_state IN ('received', 'proved_not_executed') THEN now()
+                                      ELSE o.last_attempt_at END,
+               unknown_since = CASE WHEN due.prior_state IN ('received', 'proved_not_executed') THEN NULL
+                                    WHEN due.prior_state = 'dispatching' THEN now()
+                                    ELSE o.unknown_since END,
+               lease_owner = $2,
+               lease_until = now() + make_interval(secs => $3),
+               next_attempt_at = now() + make_interval(secs => $3),
+               updated_at = now()
+          FROM due
+         WHERE o.operation_key = due.operation_key
+     RETURNING o.operation_key, o.account, o.payload_hash, o.payload, due.prior_state, o.attempts,
+               o.first_attempt_at, o.last_attempt_at, o.unknown_since"#;
+    sqlx::query_as(CLAIM_DUE).bind(limit).bind(owner).bind(lease.as_secs_f64()).fetch_all(pool).await
+}
+
+/// The outcome to record for one claimed operation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    pub state: &'static str,
+    /// When the row is due again (for undecided states).
+    pub after: Duration,
+    pub crm_task_id: Option<String>,
+    pub proof: Option<&'static str>,
+    pub note: String,
+}
+
+/// One entry of the event log.
+#[derive(Debug, Clone)]
+pub struct Event<'a> {
+    /// attempt | readback | decision | operator
+    pub kind: &'static str,
+    pub attempt: Option<i32>,
+    pub evidence: &'a str,
+}
+
+/// Records a decision and its evidence in one short transaction, only if `owner` still holds the
+/// lease. Returns false when the lease was lost (another replica owns the row now).
+pub async fn record(
+    pool: &PgPool,
+    owner: &str,
+    operation_key: &str,
+    decision: &Decision,
+    events: &[Event<'_>],
+) -> Result<bool, sqlx::Error> {
+    const RECORD_DECISION: &str = r#"
+        UPDATE handoff_consumer.crm_operation
+           SET state = $2,
+               next_attempt_at = now() + make_interval(secs => $3),
+               crm_task_id = COALESCE($4, crm_task_id),
+               proof = COALESCE($5, proof),
+               note = $6,
+               unknown_since = CASE WHEN $2 = 'unknown' THEN COALESCE(unknown_since, now()) ELSE unknown_since END,
+               lease_owner = NULL, lease_until = NULL, updated_at = now()
+         WHERE operation_key = $1 AND lease_owner = $7"#;
+    let mut tx = pool.begin().await?;
+    let updated = sqlx::query(RECORD_DECISION)
+        .bind(operation_key)
+        .bind(decision.state)
+        .bind(decision.after.as_secs_f64())
+        .bind(decision.crm_task_id.as_deref())
+        .bind(decision.proof)
+        .bind(&decision.note)
+        .bind(owner)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+    if updated == 0 {
+        return Ok(false);
+    }
+    for event in events {
+        insert_event(&mut tx, operation_key, event, Some(owner), decision.state).await?;
+    }
+    tx.commit().await?;
+    Ok(true)
+}
+
+/// Appends one event.
+pub async fn insert_event(
+    conn: &mut PgConnection,
+    operation_key: &str,
+    event: &Event<'_>,
+    replica: Option<&str>,
+    state_after: &str,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO handoff_consumer.crm_event (operation_key, kind, replica, attempt, evidence, state_after)
+         VALUES ($1, $2, $3, $4, $5, $6)",
+    )
+    .bind(operation_key)
+    .bind(event.kind)
+    .bind(replica)
+    .bind(event.attempt)
+    .bind(event.evidence)
+    .bind(state_after)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+/// Ledger rows by state, for reports and tests.
+pub async fn count_by_state(pool: &PgPool) -> Result<std::collections::BTreeMap<String, i64>, sqlx::Error> {
+    let rows: Vec<(String, i64)> =
+        sqlx::query_as("SELECT state, count(*) FROM handoff_consumer.crm_operation GROUP BY state")
+            .fetch_all(pool)
+            .await?;
+    Ok(rows.into_iter().collect())
+}

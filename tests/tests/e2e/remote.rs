@@ -1,0 +1,390 @@
+//! The remote CRM: every outcome the seeds name, proven by counting provider effects in the CRM
+//! simulator. A lost reply is never retried blindly; what cannot be proven goes to review.
+
+use std::time::Duration;
+
+use handoff_consumer::Handled;
+use handoff_consumer::dispatcher::{DispatchSettings, Dispatched, Dispatcher};
+use handoff_consumer::ledger::state;
+use handoff_consumer::remote::Capability;
+use handoff_consumer::review;
+use handoff_crm_sim::{Fault, FaultKind, SimConfig};
+use handoff_tests::remote::SimHandle;
+use handoff_tests::{SEED_TITLE, TestEnv, eventually};
+
+const KEY: &str = "harbor:create-followup:v1:case-104";
+const WAIT: Duration = Duration::from_secs(5);
+
+/// Approves `case`, publishes it and lets a remote-mode replica take it into the ledger.
+async fn deliver(env: &TestEnv, cases: &[&str]) {
+    let relay = env.relay(env.relay_settings()).await.unwrap();
+    let consumer = env.remote_consumer().await.unwrap();
+    for case in cases {
+        env.approve(case, SEED_TITLE).await.unwrap();
+    }
+    assert_eq!(relay.publish_batch().await.unwrap().published, cases.len());
+    let handled = consumer.fetch_and_handle(WAIT).await.unwrap();
+    assert_eq!(handled.len(), cases.len());
+    assert!(handled.iter().all(|h| matches!(h, Handled::Accepted { .. })), "{handled:?}");
+}
+
+async fn setup(config: SimConfig) -> (TestEnv, SimHandle) {
+    setup_with_window(config, Duration::from_secs(120)).await
+}
+
+async fn setup_with_window(config: SimConfig, duplicate_window: Duration) -> (TestEnv, SimHandle) {
+    let env = TestEnv::start_with_window(duplicate_window).await.unwrap();
+    let sim = env.crm_sim(config).await.unwrap();
+    (env, sim)
+}
+
+async fn dispatcher(env: &TestEnv, sim: &SimHandle, capability: Capability) -> Dispatcher {
+    env.dispatcher(env.http_settings(sim, capability), env.dispatch_settings()).await.unwrap()
+}
+
+/// Dispatches until `key` reaches a decided state (bounded); returns every step taken.
+async fn until_decided(dispatcher: &Dispatcher, env: &TestEnv, key: &str) -> Vec<Dispatched> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let mut steps = Vec::new();
+    loop {
+        steps.extend(dispatcher.dispatch_due().await.unwrap());
+        let state = env.ledger_state(key).await.unwrap();
+        if state == state::SETTLED || state == state::REVIEW {
+            return steps;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "no decision for {key} after {steps:?}");
+        // Readbacks and retries fall due by time; look again shortly.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn calls(steps: &[Dispatched]) -> Vec<(&'static str, &'static str)> {
+    steps.iter().map(|d| (d.call, d.state)).collect()
+}
+
+#[tokio::test]
+async fn a_reply_lost_after_the_crm_committed_is_settled_by_readback_without_a_second_create() {
+    let (env, sim) = setup(SimConfig::default()).await;
+    deliver(&env, &["case-104"]).await;
+    sim.sim.faults().inject(Fault::once_for(KEY, FaultKind::LoseReplyAfterCommit));
+    let dispatcher = dispatcher(&env, &sim, Capability::ExternalId).await;
+
+    let steps = until_decided(&dispatcher, &env, KEY).await;
+    assert_eq!(calls(&steps), [("create", state::UNKNOWN), ("readback", state::SETTLED)]);
+    assert_eq!((sim.effects().await.unwrap(), sim.creates()), (1, 1));
+    let proof: String = sqlx::query_scalar("SELECT proof FROM handoff_consumer.crm_operation")
+        .fetch_one(&env.consumer_db)
+        .await
+        .unwrap();
+    assert_eq!(proof, "readback_by_external_id");
+}
+
+#[tokio::test]
+async fn unavailable_readback_goes_to_review_after_its_window_with_no_retry() {
+    let (env, sim) = setup(SimConfig::default()).await;
+    deliver(&env, &["case-104"]).await;
+    sim.sim.faults().inject(Fault::once_for(KEY, FaultKind::LoseReplyAfterCommit));
+    sim.sim.faults().inject(Fault { target: Some(KEY.into()), kind: FaultKind::ReadbackUnavailable, times: None });
+    let settings = DispatchSettings { readback_interval: Duration::from_millis(200), ..env.dispatch_settings() };
+    let dispatcher = env.dispatcher(env.http_settings(&sim, Capability::ExternalId), settings).await.unwrap();
+
+    let steps = until_decided(&dispatcher, &env, KEY).await;
+    assert_eq!(steps.first().map(|d| (d.call, d.state)), Some(("create", state::UNKNOWN)));
+    assert_eq!(steps.last().map(|d| (d.call, d.state)), Some(("readback", state::REVIEW)));
+    assert!(steps[1..steps.len() - 1].iter().all(|d| (d.call, d.state) == ("readback", state::UNKNOWN)), "{steps:?}");
+    assert!(steps.last().unwrap().note.contains("readback unavailable"), "{steps:?}");
+    assert_eq!((sim.effects().await.unwrap(), sim.creates()), (1, 1), "never retried");
+    assert!(dispatcher.dispatch_due().await.unwrap().is_empty(), "review is not picked up again");
+}
+
+#[tokio::test]
+async fn readback_proving_non_execution_allows_exactly_one_new_attempt_with_the_same_key() {
+    let (env, sim) = setup(SimConfig::default()).await;
+    deliver(&env, &["case-104"]).await;
+    // The connection drops before the CRM stores anything: the caller cannot tell.
+    sim.sim.faults().inject(Fault::once_for(KEY, FaultKind::ResetBeforeCommit));
+    let dispatcher = dispatcher(&env, &sim, Capability::ExternalId).await;
+
+    let steps = until_decided(&dispatcher, &env, KEY).await;
+    assert_eq!(
+        calls(&steps),
+        [("create", state::UNKNOWN), ("readback", state::PROVED_NOT_EXECUTED), ("create", state::SETTLED)]
+    );
+    assert_eq!((sim.effects().await.unwrap(), sim.creates()), (1, 2));
+}
+
+#[tokio::test]
+async fn different_content_at_the_crm_for_the_key_is_a_conflict_for_review_with_no_second_effect() {
+    let (env, sim) = setup(SimConfig::default()).await;
+    sim.seed_task(KEY, &"0".repeat(64), serde_json::json!({"title": "someone else's follow-up"})).await.unwrap();
+    deliver(&env, &["case-104"]).await;
+    let dispatcher = dispatcher(&env, &sim, Capability::ExternalId).await;
+
+    let steps = until_decided(&dispatcher, &env, KEY).await;
+    assert_eq!(calls(&steps), [("create", state::REVIEW)]);
+    assert!(steps[0].note.contains("conflict"), "{steps:?}");
+    assert_eq!(sim.effects().await.unwrap(), 1, "only the seeded task");
+}
+
+#[tokio::test]
+async fn a_replica_killed_mid_call_is_taken_over_and_reconciled_with_one_effect() {
+    let (env, sim) = setup(SimConfig { lost_reply_hold: Duration::from_secs(120), ..SimConfig::default() }).await;
+    env.relay(env.relay_settings()).await.unwrap();
+    sim.sim.faults().inject(Fault::once_for(KEY, FaultKind::LoseReplyAfterCommit));
+    // A real replica process in remote mode: it will hang in the create call.
+    let mut replica = env
+        .consumer_process_with(&[
+            ("HANDOFF_CRM", "http".into()),
+            ("HANDOFF_CRM_URL", sim.url.clone()),
+            ("HANDOFF_CRM_TOKEN", SimConfig::default().auth_token),
+            ("HANDOFF_CRM_ACCOUNT", handoff_tests::remote::ACCOUNT.into()),
+            ("HANDOFF_CRM_TIMEOUT_MS", "60000".into()),
+            ("HANDOFF_CRM_LEASE_SECS", "61".into()),
+        ])
+        .unwrap();
+    env.approve("case-104", SEED_TITLE).await.unwrap();
+    env.relay(env.relay_settings()).await.unwrap().publish_batch().await.unwrap();
+    eventually("the CRM to commit the task", Duration::from_secs(60), || async {
+        Ok((sim.effects().await? == 1).then_some(()))
+    })
+    .await
+    .unwrap();
+    assert_eq!(env.ledger_state(KEY).await.unwrap(), state::DISPATCHING);
+    replica.kill().await.unwrap();
+
+    // The dead replica's lease (61 s) would expire by itself; expire it now, as time would.
+    sqlx::query("UPDATE handoff_consumer.crm_operation SET next_attempt_at = now(), lease_until = now()")
+        .execute(&env.consumer_db)
+        .await
+        .unwrap();
+    let other = dispatcher(&env, &sim, Capability::ExternalId).await;
+    let steps = until_decided(&other, &env, KEY).await;
+    assert_eq!(calls(&steps), [("readback", state::SETTLED)]);
+    assert_eq!((sim.effects().await.unwrap(), sim.creates()), (1, 1));
+    let evidence: Vec<String> =
+        sqlx::query_scalar("SELECT evidence FROM handoff_consumer.crm_event WHERE operation_key = $1 ORDER BY id")
+            .bind(KEY)
+            .fetch_all(&env.consumer_db)
+            .await
+            .unwrap();
+    assert!(evidence.iter().any(|e| e.contains("lease expired while dispatching")), "{evidence:?}");
+}
+
+#[tokio::test]
+async fn two_replicas_dispatching_the_same_key_at_once_make_one_crm_call() {
+    let (env, sim) = setup(SimConfig::default()).await;
+    deliver(&env, &["case-104"]).await;
+    // Hold the create long enough that both replicas are certainly inside dispatch at once.
+    sim.sim.faults().inject(Fault::once_for(KEY, FaultKind::Slow(Duration::from_millis(300))));
+    let (a, b) =
+        (dispatcher(&env, &sim, Capability::ExternalId).await, dispatcher(&env, &sim, Capability::ExternalId).await);
+    let (from_a, from_b) = tokio::join!(a.dispatch_due(), b.dispatch_due());
+    let (from_a, from_b) = (from_a.unwrap(), from_b.unwrap());
+    assert_eq!(from_a.len() + from_b.len(), 1, "{from_a:?} {from_b:?}");
+    assert_eq!((sim.effects().await.unwrap(), sim.creates()), (1, 1));
+    assert_eq!(env.ledger_state(KEY).await.unwrap(), state::SETTLED);
+}
+
+#[tokio::test]
+async fn rate_limits_and_failures_before_commit_are_retried_with_backoff_and_make_one_effect() {
+    let (env, sim) = setup(SimConfig::default()).await;
+    deliver(&env, &["case-104"]).await;
+    sim.sim.faults().inject(Fault::once_for(KEY, FaultKind::RateLimited { retry_after: Duration::from_secs(1) }));
+    let dispatcher = dispatcher(&env, &sim, Capability::ExternalId).await;
+
+    assert_eq!(calls(&dispatcher.dispatch_due().await.unwrap()), [("create", state::RECEIVED)]);
+    let wait: f64 = sqlx::query_scalar(
+        "SELECT extract(epoch FROM next_attempt_at - updated_at)::float8 FROM handoff_consumer.crm_operation",
+    )
+    .fetch_one(&env.consumer_db)
+    .await
+    .unwrap();
+    assert!(wait >= 1.0, "Retry-After honoured, next attempt in {wait}s");
+    assert!(dispatcher.dispatch_due().await.unwrap().is_empty(), "not due before Retry-After");
+
+    sim.sim.faults().inject(Fault::once_for(KEY, FaultKind::FailBeforeCommit));
+    let steps = until_decided(&dispatcher, &env, KEY).await;
+    assert_eq!(calls(&steps), [("create", state::RECEIVED), ("create", state::SETTLED)]);
+    assert_eq!((sim.effects().await.unwrap(), sim.creates()), (1, 3));
+}
+
+#[tokio::test]
+async fn validation_and_auth_errors_go_to_review_at_once_without_retry() {
+    let (env, sim) = setup(SimConfig::default()).await;
+    deliver(&env, &["case-104", "case-105"]).await;
+    sim.sim.faults().inject(Fault::once_for(KEY, FaultKind::ValidationError));
+    sim.sim.faults().inject(Fault::once_for("harbor:create-followup:v1:case-105", FaultKind::AuthError));
+    let dispatcher = dispatcher(&env, &sim, Capability::ExternalId).await;
+
+    let steps = dispatcher.dispatch_due().await.unwrap();
+    assert_eq!(steps.len(), 2);
+    assert!(steps.iter().all(|d| d.state == state::REVIEW && d.note.contains("not retryable")), "{steps:?}");
+    assert!(dispatcher.dispatch_due().await.unwrap().is_empty());
+    assert_eq!((sim.effects().await.unwrap(), sim.creates()), (0, 2));
+}
+
+#[tokio::test]
+async fn a_query_only_crm_lookup_inside_the_visibility_lag_is_not_taken_as_absence() {
+    let lag = Duration::from_secs(2);
+    let (env, sim) = setup(SimConfig { query_visibility_lag: lag, ..SimConfig::default() }).await;
+    deliver(&env, &["case-104"]).await;
+    sim.sim.faults().inject(Fault::once_for(KEY, FaultKind::LoseReplyAfterCommit));
+    let capability = Capability::QueryOnly { freshness: Duration::from_secs(3) };
+    let dispatcher = dispatcher(&env, &sim, capability).await;
+
+    let steps = until_decided(&dispatcher, &env, KEY).await;
+    assert_eq!(steps.first().map(|d| (d.call, d.state)), Some(("create", state::UNKNOWN)));
+    // At least one search ran inside the lag and found nothing, and it was not taken as proof.
+    assert!(
+        steps.iter().any(|d| d.call == "readback" && d.state == state::UNKNOWN && d.note.contains("lag")),
+        "{steps:?}"
+    );
+    assert_eq!(steps.last().map(|d| (d.call, d.state)), Some(("readback", state::SETTLED)));
+    assert_eq!((sim.effects().await.unwrap(), sim.creates()), (1, 1));
+}
+
+#[tokio::test]
+async fn an_idempotency_key_forgotten_by_the_crm_while_unknown_goes_to_review_not_a_blind_retry() {
+    let retention = Duration::from_secs(1);
+    let (env, sim) = setup(SimConfig { idempotency_retention: retention, ..SimConfig::default() }).await;
+    deliver(&env, &["case-104"]).await;
+    sim.sim.faults().inject(Fault::once_for(KEY, FaultKind::LoseReplyAfterCommit));
+    let dispatcher = dispatcher(&env, &sim, Capability::IdempotencyKey { retention }).await;
+    assert_eq!(calls(&dispatcher.dispatch_due().await.unwrap()), [("create", state::UNKNOWN)]);
+
+    // The dispatcher is away until the CRM has forgotten the key.
+    let client = reqwest::Client::new();
+    eventually("the CRM to forget the key", Duration::from_secs(30), || async {
+        let status = client
+            .get(format!("{}/v1/tasks/by-key/{KEY}", sim.url))
+            .bearer_auth(SimConfig::default().auth_token)
+            .send()
+            .await?
+            .status();
+        Ok((status == reqwest::StatusCode::NOT_FOUND).then_some(()))
+    })
+    .await
+    .unwrap();
+    let steps = until_decided(&dispatcher, &env, KEY).await;
+    assert_eq!(calls(&steps), [("none", state::REVIEW)]);
+    assert!(steps[0].note.contains("retention"), "{steps:?}");
+    assert_eq!((sim.effects().await.unwrap(), sim.creates()), (1, 1));
+}
+
+#[tokio::test]
+async fn operators_resolve_by_receipt_or_by_approving_one_new_attempt_with_audit_and_export() {
+    let (env, sim) = setup(SimConfig::default()).await;
+    let lost = KEY;
+    let never_sent = "harbor:create-followup:v1:case-105";
+    deliver(&env, &["case-104", "case-105"]).await;
+    sim.sim.faults().inject(Fault::once_for(lost, FaultKind::LoseReplyAfterCommit));
+    sim.sim.faults().inject(Fault::once_for(never_sent, FaultKind::ResetBeforeCommit));
+    // A destination with no readback: every unknown outcome goes to a person.
+    let dispatcher = dispatcher(&env, &sim, Capability::Nothing).await;
+    let steps = dispatcher.dispatch_due().await.unwrap();
+    assert!(steps.iter().all(|d| d.state == state::REVIEW), "{steps:?}");
+
+    // Export: non-secret fields only, no payload bodies.
+    let rows = review::list(&env.consumer_db, &["unknown", "review"]).await.unwrap();
+    assert_eq!(rows.len(), 2);
+    let csv = review::export(&rows, review::ExportFormat::Csv).unwrap();
+    let json = review::export(&rows, review::ExportFormat::Json).unwrap();
+    assert!(csv.starts_with("operation_key,state,attempts,receipt_ref,note,created_at,updated_at\n"), "{csv}");
+    assert!(csv.contains(lost) && csv.contains(never_sent) && csv.contains(",review,1,"), "{csv}");
+    for export in [&csv, &json] {
+        assert!(!export.contains(SEED_TITLE) && !export.contains("sim-token"), "{export}");
+    }
+    let parsed: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(parsed.as_array().unwrap().len(), 2);
+
+    // The person finds the lost task in the CRM and records its receipt.
+    let task_id = sim.sim.report().await.unwrap().tasks[0].task_id.clone();
+    review::resolve_with_receipt(&env.consumer_db, lost, &task_id, "ops-ana", "found in CRM by external id")
+        .await
+        .unwrap();
+    // The other was never stored (the CRM shows no task for it): one new attempt is approved.
+    assert_eq!(sim.effects().await.unwrap(), 1);
+    review::approve_new_attempt(
+        &env.consumer_db,
+        never_sent,
+        "ops-ana",
+        "CRM has no task for the key; checked by hand",
+    )
+    .await
+    .unwrap();
+    assert_eq!(calls(&dispatcher.dispatch_due().await.unwrap()), [("create", state::SETTLED)]);
+
+    // Refusals change nothing: no actor, or a row that is already decided.
+    assert!(matches!(
+        review::approve_new_attempt(&env.consumer_db, lost, "ops-ana", "again").await,
+        Err(review::ReviewError::NotResolvable { .. })
+    ));
+    assert!(matches!(
+        review::resolve_with_receipt(&env.consumer_db, never_sent, "T-1", " ", "x").await,
+        Err(review::ReviewError::Missing("actor"))
+    ));
+
+    let history = review::history(&env.consumer_db, lost).await.unwrap();
+    assert_eq!(history.operation.state, state::SETTLED);
+    assert_eq!(history.operation.receipt_ref.as_deref(), Some(task_id.as_str()));
+    assert_eq!(history.audit.len(), 1);
+    assert_eq!((history.audit[0].actor.as_str(), history.audit[0].action.as_str()), ("ops-ana", "record_receipt"));
+    assert!(history.events.iter().any(|e| e.kind == "operator"));
+    let audits: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM handoff_consumer.audit").fetch_one(&env.consumer_db).await.unwrap();
+    assert_eq!(audits, 2);
+    assert_eq!((sim.effects().await.unwrap(), sim.creates()), (2, 3));
+}
+
+#[tokio::test]
+async fn a_changed_payload_while_reconciliation_is_pending_is_refused_and_needs_a_new_key() {
+    // A 1 s broker window, so the forged re-publish below is stored rather than deduplicated.
+    let (env, sim) = setup_with_window(SimConfig::default(), Duration::from_secs(1)).await;
+    deliver(&env, &["case-104"]).await;
+    sim.sim.faults().inject(Fault::once_for(KEY, FaultKind::LoseReplyAfterCommit));
+    sim.sim.faults().inject(Fault { target: Some(KEY.into()), kind: FaultKind::ReadbackUnavailable, times: None });
+    let settings = DispatchSettings { readback_window: Duration::from_secs(3600), ..env.dispatch_settings() };
+    let dispatcher = env.dispatcher(env.http_settings(&sim, Capability::ExternalId), settings).await.unwrap();
+    assert_eq!(calls(&dispatcher.dispatch_due().await.unwrap()), [("create", state::UNKNOWN)]);
+
+    // The producer refuses the edit outright...
+    assert!(matches!(
+        env.approve("case-104", "Call about a different plan").await,
+        Err(handoff_relay::RecordError::Conflict(_))
+    ));
+    // ...and a forged message with the edited payload under the same key is a conflict at intake.
+    let edited = handoff_shared::Envelope {
+        key: KEY.parse().unwrap(),
+        payload: handoff_shared::CanonicalPayload::new(serde_json::json!({"case_id": "case-104", "title": "edited"}))
+            .unwrap(),
+        approval: handoff_shared::Approval::new("user-17", chrono::Utc::now()).unwrap(),
+        source: "/test".into(),
+        time: chrono::Utc::now(),
+    };
+    eventually("the broker to store the edited message", Duration::from_secs(30), || async {
+        let ack = env
+            .js
+            .send_publish(
+                env.subjects.for_key(&edited.key),
+                async_nats::jetstream::message::PublishMessage::build()
+                    .payload(edited.encode())
+                    .message_id("harbor:create-followup:v1:case-104"),
+            )
+            .await?
+            .await?;
+        Ok((!ack.duplicate).then_some(()))
+    })
+    .await
+    .unwrap();
+    let consumer = env.remote_consumer().await.unwrap();
+    let mut handled = Vec::new();
+    for _ in 0..10 {
+        handled.extend(consumer.fetch_and_handle(Duration::from_secs(1)).await.unwrap());
+        if !handled.is_empty() {
+            break;
+        }
+    }
+    assert!(matches!(handled.as_slice(), [Handled::Conflict { .. }]), "{handled:?}");
+    assert_eq!(env.ledger_state(KEY).await.unwrap(), state::UNKNOWN, "the pending reconciliation is untouched");
+    assert_eq!((sim.effects().await.unwrap(), sim.creates()), (1, 1));
+}
