@@ -51,10 +51,7 @@ async fn main() -> Result<()> {
             .await;
     }
     let naive_effects = naive.effects().await?;
-    println!(
-        "BASELINE {}",
-        json!({"attempts": 2, "duplicates": naive_effects - 1, "external_actions": naive_effects})
-    );
+    println!("BASELINE {}", json!({"attempts": 2, "duplicates": naive_effects - 1, "external_actions": naive_effects}));
 
     // The safe path.
     let sim = env.crm_sim(SimConfig::default()).await?;
