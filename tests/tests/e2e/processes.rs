@@ -66,3 +66,25 @@ async fn a_relay_stopped_with_sigterm_finishes_its_batch_and_leaves_no_row_lease
     // Everything it marked published is in the stream, and nothing else is.
     assert_eq!(env.stream_messages().await.unwrap(), published(&env).await.unwrap() as u64);
 }
+
+#[tokio::test]
+async fn a_consumer_stopped_with_sigterm_exits_cleanly_and_another_finishes_the_work_once() {
+    const N: i64 = 20_000;
+    let env = TestEnv::start().await.unwrap();
+    let _relay = env.relay_process().unwrap();
+    eventually("the stream", Duration::from_secs(60), || async { Ok(env.stream_messages().await.ok()) }).await.unwrap();
+    let mut consumer = env.consumer_process().unwrap();
+    env.approve_many_via_sql(1, N).await.unwrap();
+    eventually("the first tasks", Duration::from_secs(60), || async { Ok((env.tasks().await? > 0).then_some(())) })
+        .await
+        .unwrap();
+
+    let status = consumer.terminate().await.unwrap();
+    assert!(status.success(), "consumer exited with {status}");
+    let _next = env.consumer_process().unwrap();
+    eventually("every task", Duration::from_secs(300), || async { Ok((env.tasks().await? >= N).then_some(())) })
+        .await
+        .unwrap();
+    let counts = env.consumer_counts().await.unwrap();
+    assert_eq!((counts.tasks, counts.inbox, counts.dead_letters), (N, N, 0));
+}
