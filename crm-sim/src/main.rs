@@ -19,14 +19,8 @@ struct Args {
     /// Address to serve HTTP on.
     #[arg(long, env = "CRM_SIM_LISTEN", default_value = "127.0.0.1:8089")]
     listen: SocketAddr,
-    /// Bearer token every /v1 request must present (secret).
-    #[arg(
-        long,
-        env = "CRM_SIM_AUTH_TOKEN",
-        default_value = "sim-token",
-        hide_env_values = true,
-        hide_default_value = true
-    )]
+    /// Bearer token every /v1 request must present (secret: never logged, not shown from the environment).
+    #[arg(long, env = "CRM_SIM_AUTH_TOKEN", default_value = "sim-token", hide_env_values = true)]
     auth_token: String,
     /// How long an idempotency key is remembered, seconds; older keys are forgotten.
     #[arg(long, env = "CRM_SIM_IDEMPOTENCY_RETENTION_SECS", default_value_t = 24 * 3600)]

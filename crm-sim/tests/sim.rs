@@ -238,7 +238,7 @@ async fn bad_tokens_are_401_and_bad_requests_are_422_storing_nothing() -> Result
         json!({"external_id": "", "payload_hash": hash(1), "data": {"a": 1}}),
         json!({"external_id": too_long, "payload_hash": hash(1), "data": {"a": 1}}),
         json!({"external_id": "op-3", "payload_hash": "abc", "data": {"a": 1}}),
-        json!({"external_id": "op-3", "payload_hash": hash(1).to_uppercase(), "data": {"a": 1}}),
+        json!({"external_id": "op-3", "payload_hash": hash(0xabc).to_uppercase(), "data": {"a": 1}}),
         json!({"external_id": "op-3", "payload_hash": hash(1), "data": {}}),
         json!({"external_id": "op-3", "payload_hash": hash(1), "data": "text"}),
         json!({"external_id": "op-3", "payload_hash": hash(1)}),
