@@ -3,8 +3,8 @@
 --
 --   received ──claim──▶ dispatching ──2xx──────────────────────────▶ settled
 --                           │  ├─409 / 4xx validation, auth──────────▶ review
---                           │  ├─429 / 5xx before commit (proved not executed)──▶ received (backoff)
---                           │  └─timeout / reset after send──────────▶ unknown
+--                           │  ├─429 / 503 / refused connection (not executed)──▶ received (backoff)
+--                           │  └─timeout / reset / 500 / 502 / 504 ─▶ unknown
 --   unknown ──readback──▶ found ──────────────────────────────────────▶ settled
 --                         authoritative absence ──────────────────────▶ proved_not_executed ──▶ (one new attempt)
 --                         not yet authoritative (freshness window) ───▶ unknown (look again)
@@ -19,7 +19,8 @@ ALTER TABLE handoff_consumer.inbox ADD CONSTRAINT inbox_outcome_check
 
 CREATE TABLE handoff_consumer.crm_operation (
     operation_key   text        PRIMARY KEY,
-    -- The destination account the key is unique within (seed 004: unique (account, operation)).
+    -- The destination account (seed 004: record it with the operation). A dispatcher only works
+    -- rows of its own account.
     account         text        NOT NULL,
     payload_hash    text        NOT NULL,
     payload         jsonb       NOT NULL,
@@ -39,12 +40,11 @@ CREATE TABLE handoff_consumer.crm_operation (
     proof           text,
     note            text,
     created_at      timestamptz NOT NULL DEFAULT now(),
-    updated_at      timestamptz NOT NULL DEFAULT now(),
-    UNIQUE (account, operation_key)
+    updated_at      timestamptz NOT NULL DEFAULT now()
 );
 
 -- The dispatcher's claim walks due, undecided rows only.
-CREATE INDEX crm_operation_due ON handoff_consumer.crm_operation (next_attempt_at)
+CREATE INDEX crm_operation_due ON handoff_consumer.crm_operation (account, next_attempt_at)
     WHERE state IN ('received', 'dispatching', 'unknown', 'proved_not_executed');
 
 -- Every attempt, readback and decision with its evidence; never updated or deleted.

@@ -52,6 +52,9 @@ pub struct ConsumerConfig {
     pub crm: CrmArgs,
 }
 
+/// Seconds a CRM lease must exceed the request timeout by.
+pub const LEASE_MARGIN_SECS: f64 = 5.0;
+
 /// Where tasks are created.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum CrmMode {
@@ -151,7 +154,7 @@ impl std::fmt::Debug for CrmArgs {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CrmArgs")
             .field("mode", &self.mode)
-            .field("url", &self.url)
+            .field("url", &self.url.as_deref().map(handoff_shared::config::redact_url))
             .field("token", &"<redacted>")
             .field("account", &self.account)
             .field("capability", &self.capability)
@@ -179,9 +182,10 @@ impl CrmArgs {
     /// The HTTP adapter these flags describe.
     pub fn http_settings(&self) -> anyhow::Result<HttpCrmSettings> {
         let timeout = Duration::from_millis(self.timeout_ms);
+        // The lease covers the claim, the call and recording the decision: the timeout plus margin.
         anyhow::ensure!(
-            Duration::from_secs_f64(self.lease_secs) > timeout,
-            "--crm-lease-secs must exceed --crm-timeout-ms, or a live call could be taken over"
+            self.lease_secs.is_finite() && self.lease_secs >= timeout.as_secs_f64() + LEASE_MARGIN_SECS,
+            "--crm-lease-secs must be at least --crm-timeout-ms plus {LEASE_MARGIN_SECS}s, or a live call could be taken over"
         );
         Ok(HttpCrmSettings {
             base_url: self.url.clone().ok_or_else(|| anyhow::anyhow!("--crm-url is required with --crm http"))?,
@@ -201,6 +205,8 @@ impl CrmArgs {
             max_attempts: self.max_attempts,
             readback_interval: Duration::from_millis(self.readback_interval_ms),
             readback_window: Duration::from_secs(self.readback_window_secs),
+            // An abandoned request may still commit until the CRM times it out: at least our timeout.
+            absence_grace: Duration::from_millis(self.timeout_ms),
             ..DispatchSettings::default()
         }
     }

@@ -338,8 +338,9 @@ impl<C: Crm + 'static> Consumer<C> {
                 Handled::Conflict { operation_key } => {
                     tracing::warn!(%operation_key, sequence = m.sequence, "conflict recorded for review");
                 }
-                Handled::DeadLettered { reason } => {
-                    tracing::warn!(sequence = m.sequence, %reason, "message dead-lettered");
+                Handled::DeadLettered { .. } => {
+                    // The reason can quote message content; it is in the dead-letter table, not the log.
+                    tracing::warn!(sequence = m.sequence, "message dead-lettered");
                 }
                 _ => {}
             }

@@ -41,6 +41,10 @@ pub struct DispatchSettings {
     pub readback_interval: Duration,
     /// How long readback may stay unavailable before a person must decide.
     pub readback_window: Duration,
+    /// How long after an unknown outcome an authoritative "not found" starts to count as proof:
+    /// a request the client gave up on may still be committing at the CRM. At least the HTTP
+    /// timeout; more for CRMs known to keep working on abandoned requests.
+    pub absence_grace: Duration,
     /// Idle poll interval (new rows also wake the dispatcher through LISTEN/NOTIFY).
     pub poll_interval: Duration,
 }
@@ -54,6 +58,7 @@ impl Default for DispatchSettings {
             backoff: Backoff { initial: Duration::from_secs(1), max: Duration::from_secs(300), ..Backoff::default() },
             readback_interval: Duration::from_secs(1),
             readback_window: Duration::from_secs(300),
+            absence_grace: Duration::from_secs(10),
             poll_interval: Duration::from_millis(500),
         }
     }
@@ -77,25 +82,31 @@ pub struct Dispatcher {
     crm: HttpCrm,
     settings: DispatchSettings,
     owner: String,
+    /// Each claim gets its own lease token (`owner:n`), so two claims of one dispatcher can never
+    /// both record a decision for the same row.
+    claims: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Dispatcher {
     /// A dispatcher on the consumer's database (migrated by `Consumer::build`).
     pub fn new(pool: PgPool, crm: HttpCrm, settings: DispatchSettings) -> Self {
         let owner = format!("dispatcher-{:016x}", rand::random::<u64>());
-        Self { pool, crm, settings, owner }
+        Self { pool, crm, settings, owner, claims: Default::default() }
     }
 
     /// Claims due rows and works them concurrently: each makes one CRM call (or none) and records
     /// its decision in its own short transaction.
     pub async fn dispatch_due(&self) -> Result<Vec<Dispatched>, sqlx::Error> {
-        let claimed = ledger::claim_due(&self.pool, &self.owner, self.settings.in_flight, self.settings.lease).await?;
-        let results = join_all(claimed.into_iter().map(|op| self.work(op))).await;
-        results.into_iter().filter_map(|r| r.transpose()).collect()
+        let claim = format!("{}:{}", self.owner, self.claims.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+        let claimed =
+            ledger::claim_due(&self.pool, self.crm.account(), &claim, self.settings.in_flight, self.settings.lease)
+                .await?;
+        let results = join_all(claimed.into_iter().map(|op| self.work(&claim, op))).await;
+        Ok(results.into_iter().flatten().collect())
     }
 
-    async fn work(&self, op: ClaimedOperation) -> Result<Option<Dispatched>, sqlx::Error> {
-        let now = Utc::now();
+    async fn work(&self, claim: &str, op: ClaimedOperation) -> Option<Dispatched> {
+        let now = op.db_now;
         let (call, decision, mut events) = match op.prior_state.as_str() {
             state::RECEIVED | state::PROVED_NOT_EXECUTED => {
                 let outcome = self
@@ -131,9 +142,20 @@ impl Dispatcher {
         events.push(("decision", None, decision.note.clone()));
         let events: Vec<Event<'_>> =
             events.iter().map(|(kind, attempt, evidence)| Event { kind, attempt: *attempt, evidence }).collect();
-        if !ledger::record(&self.pool, &self.owner, &op.operation_key, &decision, &events).await? {
-            tracing::warn!(operation_key = %op.operation_key, "lease lost before recording; another replica owns the key");
-            return Ok(None);
+        match ledger::record(&self.pool, claim, &op.operation_key, &decision, &events).await {
+            Ok(true) => {}
+            Ok(false) => {
+                tracing::warn!(operation_key = %op.operation_key, call, note = %decision.note,
+                    "lease lost before recording: another replica owns the key; evidence kept, decision not applied");
+                return None;
+            }
+            Err(error) => {
+                // The lease will expire and the next claimer reads back, so nothing is retried
+                // blindly; the outcome is logged so the evidence survives the failed write.
+                tracing::error!(operation_key = %op.operation_key, call, note = %decision.note, %error,
+                    "cannot record the decision; the key will be read back after its lease");
+                return None;
+            }
         }
         let level_review = decision.state == state::REVIEW;
         if level_review {
@@ -141,7 +163,7 @@ impl Dispatcher {
         } else {
             tracing::info!(operation_key = %op.operation_key, call, state = decision.state, note = %decision.note, "dispatched");
         }
-        Ok(Some(Dispatched { operation_key: op.operation_key, call, state: decision.state, note: decision.note }))
+        Some(Dispatched { operation_key: op.operation_key, call, state: decision.state, note: decision.note })
     }
 
     /// Dispatches until `token` is cancelled; calls in flight finish and are recorded first.
@@ -230,7 +252,8 @@ pub fn after_create(
         ),
         CreateOutcome::NotExecuted { retry_after, .. } => {
             let backoff = settings.backoff.delay(op.attempts.max(1) as u32);
-            let after = retry_after.map_or(backoff, |r| r.max(backoff));
+            // A CRM asking for more than an hour is capped: the row is looked at again then.
+            let after = retry_after.map_or(backoff, |r| r.max(backoff)).min(Duration::from_secs(3600));
             decide(state::RECEIVED, after, format!("not executed by the CRM; retry in {}ms", after.as_millis()))
         }
         CreateOutcome::Unknown { .. } if capability == Capability::Nothing => decide(
@@ -248,8 +271,9 @@ pub fn after_create(
 /// by key nor a retry with it proves anything, so an unknown outcome goes to a person.
 pub fn retention_expired(capability: Capability, op: &ClaimedOperation, now: DateTime<Utc>) -> Option<Decision> {
     let Capability::IdempotencyKey { retention } = capability else { return None };
-    let first = op.first_attempt_at?;
-    let age = (now - first).to_std().unwrap_or_default();
+    // The attempt whose outcome is unknown is the last one; its key record dates from then.
+    let started = op.last_attempt_at?;
+    let age = (now - started).to_std().unwrap_or_default();
     (age >= retention).then(|| {
         decide(
             state::REVIEW,
@@ -275,7 +299,9 @@ pub fn after_readback(
         Capability::ExternalId => "readback_by_external_id",
         Capability::QueryOnly { .. } | Capability::Nothing => "query",
     };
-    let since_attempt = op.last_attempt_at.map_or(Duration::MAX, |t| (now - t).to_std().unwrap_or_default());
+    // Ages on the database's clock, from the moment the outcome became unknown (the end of the
+    // attempt, or the takeover of a dead replica's lease).
+    let unknown_for = op.unknown_since.map_or(Duration::ZERO, |t| (now - t).to_std().unwrap_or_default());
     match readback {
         Readback::Found { task_id, payload_hash, .. } if *payload_hash == op.payload_hash => Decision {
             crm_task_id: Some(task_id.clone()),
@@ -290,29 +316,34 @@ pub fn after_readback(
         Readback::Ambiguous { evidence } => {
             decide(state::REVIEW, Duration::ZERO, format!("several CRM records match this key ({evidence})"))
         }
-        Readback::Absent { .. } if capability == Capability::Nothing => {
+        _ if capability == Capability::Nothing => {
             decide(state::REVIEW, Duration::ZERO, "no authoritative lookup: a person must check")
         }
-        Readback::Absent { authoritative: false, .. } => match capability {
-            Capability::QueryOnly { freshness } if since_attempt < freshness => decide(
-                state::UNKNOWN,
-                settings.readback_interval.min(freshness - since_attempt).max(Duration::from_millis(10)),
-                format!("not found, but the search may lag {}s behind writes: not proof yet", freshness.as_secs()),
-            ),
-            _ => not_executed(op, settings, "absent from the search after its freshness window"),
-        },
-        Readback::Absent { authoritative: true, .. } => not_executed(op, settings, "absent by authoritative lookup"),
-        Readback::Unavailable { evidence } => {
-            let unknown_for = op.unknown_since.map_or(Duration::ZERO, |t| (now - t).to_std().unwrap_or_default());
-            if matches!(capability, Capability::IdempotencyKey { .. }) && op.attempts < settings.max_attempts {
-                // The key is retained (checked before the readback): a retry with the same key
-                // and payload returns the original task if it exists, so it is safe.
+        Readback::Absent { .. } => {
+            // A search may lag behind writes; any lookup may run before a request the client
+            // abandoned has committed. Absence is proof only once both have passed.
+            let freshness = match capability {
+                Capability::QueryOnly { freshness } => freshness,
+                _ => Duration::ZERO,
+            };
+            let needed = settings.absence_grace + freshness;
+            if unknown_for < needed {
                 decide(
-                    state::PROVED_NOT_EXECUTED,
-                    Duration::ZERO,
-                    "readback unavailable; retrying with the same idempotency key, which the CRM still holds",
+                    state::UNKNOWN,
+                    settings.readback_interval.min(needed - unknown_for).max(Duration::from_millis(10)),
+                    format!(
+                        "not found, but not proof yet: writes may take {}s to show (grace {}s, search lag {}s)",
+                        needed.as_secs_f32(),
+                        settings.absence_grace.as_secs_f32(),
+                        freshness.as_secs_f32()
+                    ),
                 )
-            } else if unknown_for >= settings.readback_window {
+            } else {
+                not_executed(op, settings, "absent by lookup after the grace and freshness windows")
+            }
+        }
+        Readback::Unavailable { evidence } => {
+            if unknown_for >= settings.readback_window {
                 decide(
                     state::REVIEW,
                     Duration::ZERO,
@@ -365,11 +396,22 @@ mod tests {
             first_attempt_at: Some(now),
             last_attempt_at: Some(now),
             unknown_since: Some(now),
+            db_now: now,
         }
     }
 
+    /// `op` as seen `secs` after its outcome became unknown.
+    fn later(op: &ClaimedOperation, secs: i64) -> DateTime<Utc> {
+        op.db_now + chrono::Duration::seconds(secs)
+    }
+
     fn settings() -> DispatchSettings {
-        DispatchSettings { max_attempts: 3, readback_window: Duration::from_secs(60), ..DispatchSettings::default() }
+        DispatchSettings {
+            max_attempts: 3,
+            readback_window: Duration::from_secs(60),
+            absence_grace: Duration::from_secs(10),
+            ..DispatchSettings::default()
+        }
     }
 
     const EXTERNAL: Capability = Capability::ExternalId;
@@ -418,39 +460,53 @@ mod tests {
     }
 
     #[test]
-    fn authoritative_absence_allows_one_new_attempt_within_budget() {
+    fn authoritative_absence_counts_only_after_the_grace_and_then_allows_one_attempt_within_budget() {
         let absent = Readback::Absent { authoritative: true, evidence: "404".into() };
-        assert_eq!(
-            after_readback(EXTERNAL, &absent, &op(1), Utc::now(), &settings()).state,
-            state::PROVED_NOT_EXECUTED
-        );
-        assert_eq!(after_readback(EXTERNAL, &absent, &op(3), Utc::now(), &settings()).state, state::REVIEW);
+        let o = op(1);
+        // A request the client abandoned may still be committing: not proof yet.
+        assert_eq!(after_readback(EXTERNAL, &absent, &o, later(&o, 1), &settings()).state, state::UNKNOWN);
+        assert_eq!(after_readback(EXTERNAL, &absent, &o, later(&o, 11), &settings()).state, state::PROVED_NOT_EXECUTED);
+        let spent = op(3);
+        assert_eq!(after_readback(EXTERNAL, &absent, &spent, later(&spent, 11), &settings()).state, state::REVIEW);
     }
 
     #[test]
     fn a_search_miss_inside_the_freshness_window_is_not_proof() {
         let query = Capability::QueryOnly { freshness: Duration::from_secs(30) };
         let absent = Readback::Absent { authoritative: false, evidence: "0 results".into() };
-        let fresh = op(1);
-        assert_eq!(after_readback(query, &absent, &fresh, Utc::now(), &settings()).state, state::UNKNOWN);
-        let later = Utc::now() + chrono::Duration::seconds(31);
-        assert_eq!(after_readback(query, &absent, &fresh, later, &settings()).state, state::PROVED_NOT_EXECUTED);
+        let o = op(1);
+        // Grace (10 s) plus search lag (30 s), counted from when the outcome became unknown.
+        assert_eq!(after_readback(query, &absent, &o, later(&o, 31), &settings()).state, state::UNKNOWN);
+        assert_eq!(after_readback(query, &absent, &o, later(&o, 41), &settings()).state, state::PROVED_NOT_EXECUTED);
     }
 
     #[test]
     fn unavailable_readback_waits_out_its_window_then_asks_a_person() {
         let unavailable = Readback::Unavailable { evidence: "503".into() };
-        assert_eq!(after_readback(EXTERNAL, &unavailable, &op(1), Utc::now(), &settings()).state, state::UNKNOWN);
-        let later = Utc::now() + chrono::Duration::seconds(61);
-        assert_eq!(after_readback(EXTERNAL, &unavailable, &op(1), later, &settings()).state, state::REVIEW);
+        let o = op(1);
+        assert_eq!(after_readback(EXTERNAL, &unavailable, &o, later(&o, 0), &settings()).state, state::UNKNOWN);
+        assert_eq!(after_readback(EXTERNAL, &unavailable, &o, later(&o, 61), &settings()).state, state::REVIEW);
+        // An idempotency key is no excuse for a blind retry: the same rule applies.
+        let keyed = Capability::IdempotencyKey { retention: Duration::from_secs(3600) };
+        assert_eq!(after_readback(keyed, &unavailable, &o, later(&o, 0), &settings()).state, state::UNKNOWN);
+    }
+
+    #[test]
+    fn a_destination_without_lookups_sends_every_unknown_outcome_to_review() {
+        let unavailable = Readback::Unavailable { evidence: "no readback".into() };
+        let o = op(1);
+        assert_eq!(
+            after_readback(Capability::Nothing, &unavailable, &o, later(&o, 0), &settings()).state,
+            state::REVIEW
+        );
     }
 
     #[test]
     fn an_expired_idempotency_key_sends_an_unknown_outcome_to_review() {
         let keyed = Capability::IdempotencyKey { retention: Duration::from_secs(10) };
-        assert!(retention_expired(keyed, &op(1), Utc::now()).is_none());
-        let later = Utc::now() + chrono::Duration::seconds(11);
-        assert_eq!(retention_expired(keyed, &op(1), later).map(|d| d.state), Some(state::REVIEW));
-        assert!(retention_expired(EXTERNAL, &op(1), later).is_none());
+        let o = op(1);
+        assert!(retention_expired(keyed, &o, later(&o, 1)).is_none());
+        assert_eq!(retention_expired(keyed, &o, later(&o, 11)).map(|d| d.state), Some(state::REVIEW));
+        assert!(retention_expired(EXTERNAL, &o, later(&o, 11)).is_none());
     }
 }

@@ -36,18 +36,47 @@ impl Crm for LedgerCrm {
         const ACCEPT: &str = r#"
             INSERT INTO handoff_consumer.crm_operation (operation_key, account, payload_hash, payload)
             SELECT k, $1, h, p FROM UNNEST($2::text[], $3::text[], $4::jsonb[]) AS u(k, h, p)
-            ON CONFLICT (operation_key) DO NOTHING"#;
+            ON CONFLICT (operation_key) DO NOTHING
+            RETURNING operation_key"#;
+        const EXISTING: &str = r#"
+            SELECT operation_key, payload_hash FROM handoff_consumer.crm_operation
+             WHERE operation_key = ANY($1::text[])"#;
         if requests.is_empty() {
             return Ok(Vec::new());
         }
-        sqlx::query(ACCEPT)
+        let keys: Vec<&str> = requests.iter().map(|r| r.operation_key.as_str()).collect();
+        let accepted: Vec<(String,)> = sqlx::query_as(ACCEPT)
             .bind(&self.account)
-            .bind(requests.iter().map(|r| r.operation_key.as_str()).collect::<Vec<_>>())
+            .bind(&keys)
             .bind(requests.iter().map(|r| r.payload_hash.as_str()).collect::<Vec<_>>())
             .bind(requests.iter().map(|r| r.payload.clone()).collect::<Vec<_>>())
-            .execute(&mut *conn)
+            .fetch_all(&mut *conn)
             .await?;
-        Ok(requests.iter().map(|_| TaskOutcome::Accepted).collect())
+        let accepted: std::collections::HashSet<String> = accepted.into_iter().map(|(k,)| k).collect();
+        // A ledger row can already exist only if the inbox lost its row (a restore, a purge): compare
+        // rather than silently accept a payload that will never be sent.
+        let existing: std::collections::HashMap<String, String> = if accepted.len() < requests.len() {
+            sqlx::query_as::<_, (String, String)>(EXISTING)
+                .bind(&keys)
+                .fetch_all(&mut *conn)
+                .await?
+                .into_iter()
+                .collect()
+        } else {
+            Default::default()
+        };
+        Ok(requests
+            .iter()
+            .map(|r| {
+                if accepted.contains(&r.operation_key) {
+                    TaskOutcome::Accepted
+                } else if existing.get(&r.operation_key) == Some(&r.payload_hash) {
+                    TaskOutcome::Existing { task_id: -1 }
+                } else {
+                    TaskOutcome::Conflict { task_id: -1 }
+                }
+            })
+            .collect())
     }
 }
 
@@ -67,13 +96,20 @@ pub struct ClaimedOperation {
     /// When the last create attempt started (readbacks judge freshness from it).
     pub last_attempt_at: Option<DateTime<Utc>>,
     pub unknown_since: Option<DateTime<Utc>>,
+    /// The database's clock at the claim: every age is measured on this one clock, never the
+    /// application host's (a skewed host clock must not shorten a freshness or retention window).
+    pub db_now: DateTime<Utc>,
 }
 
-/// Claims up to `limit` due operations for `owner` for `lease`. A create claim counts the attempt
+/// Claims up to `limit` due operations of `account` for `owner` for `lease`. A create claim counts the attempt
 /// and records its start *before* the call; an expired `dispatching` lease becomes `unknown`,
 /// because its replica may have reached the CRM before dying.
+///
+/// Only rows of the dispatcher's own account are claimed: a readback in another account would
+/// find nothing and wrongly "prove" non-execution.
 pub async fn claim_due(
     pool: &PgPool,
+    account: &str,
     owner: &str,
     limit: i64,
     lease: Duration,
@@ -84,6 +120,7 @@ pub async fn claim_due(
               FROM handoff_consumer.crm_operation
              WHERE state IN ('received', 'dispatching', 'unknown', 'proved_not_executed')
                AND next_attempt_at <= now()
+               AND account = $4
              ORDER BY next_attempt_at
              LIMIT $1
                FOR UPDATE SKIP LOCKED
@@ -106,8 +143,8 @@ pub async fn claim_due(
           FROM due
          WHERE o.operation_key = due.operation_key
      RETURNING o.operation_key, o.account, o.payload_hash, o.payload, due.prior_state, o.attempts,
-               o.first_attempt_at, o.last_attempt_at, o.unknown_since"#;
-    sqlx::query_as(CLAIM_DUE).bind(limit).bind(owner).bind(lease.as_secs_f64()).fetch_all(pool).await
+               o.first_attempt_at, o.last_attempt_at, o.unknown_since, now() AS db_now"#;
+    sqlx::query_as(CLAIM_DUE).bind(limit).bind(owner).bind(lease.as_secs_f64()).bind(account).fetch_all(pool).await
 }
 
 /// The outcome to record for one claimed operation.
@@ -131,7 +168,9 @@ pub struct Event<'a> {
 }
 
 /// Records a decision and its evidence in one short transaction, only if `owner` still holds the
-/// lease. Returns false when the lease was lost (another replica owns the row now).
+/// lease. Returns false when the lease was lost (another replica owns the row now): the decision
+/// is then not applied, but the events are still appended (state_after `lease_lost`), so the
+/// evidence of what this replica saw, a CRM receipt included, is never lost.
 pub async fn record(
     pool: &PgPool,
     owner: &str,
@@ -161,14 +200,12 @@ pub async fn record(
         .execute(&mut *tx)
         .await?
         .rows_affected();
-    if updated == 0 {
-        return Ok(false);
-    }
+    let state_after = if updated == 0 { "lease_lost" } else { decision.state };
     for event in events {
-        insert_event(&mut tx, operation_key, event, Some(owner), decision.state).await?;
+        insert_event(&mut tx, operation_key, event, Some(owner), state_after).await?;
     }
     tx.commit().await?;
-    Ok(true)
+    Ok(updated > 0)
 }
 
 /// Appends one event.

@@ -220,7 +220,11 @@ impl HttpCrm {
         let evidence = evidence_for(status.as_u16().to_string());
         if !status.is_success() {
             return match status {
-                StatusCode::NOT_FOUND => Readback::Absent { authoritative, evidence },
+                // Only the CRM's own "not found" is evidence; a 404 from a proxy or a wrong route is not.
+                StatusCode::NOT_FOUND => match response.json::<serde_json::Value>().await {
+                    Ok(body) if body["error"] == "not_found" => Readback::Absent { authoritative, evidence },
+                    _ => Readback::Unavailable { evidence: format!("{evidence} without the CRM's not_found body") },
+                },
                 StatusCode::CONFLICT => Readback::Ambiguous { evidence },
                 _ => Readback::Unavailable { evidence },
             };
@@ -246,11 +250,18 @@ impl HttpCrm {
     }
 }
 
+/// The error and its causes, without the URL (it could carry credentials into notes and exports).
 fn describe(error: &reqwest::Error) -> String {
     if error.is_timeout() {
         "timed out".into()
     } else {
-        let mut text = error.to_string();
+        let mut text = String::from(if error.is_connect() {
+            "connection failed"
+        } else if error.is_body() || error.is_decode() {
+            "response body failed"
+        } else {
+            "request failed"
+        });
         let mut source = std::error::Error::source(error);
         while let Some(cause) = source {
             text.push_str(": ");

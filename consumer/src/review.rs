@@ -256,7 +256,8 @@ pub fn export(rows: &[ReviewRow], format: ExportFormat) -> anyhow::Result<String
 
 /// RFC 4180 quoting, plus a leading `'` for cells a spreadsheet would run as a formula.
 fn csv_field(value: &str) -> String {
-    let value = if value.starts_with(['=', '+', '-', '@']) { format!("'{value}") } else { value.to_owned() };
+    let value =
+        if value.starts_with(['=', '+', '-', '@', '\t', '\r']) { format!("'{value}") } else { value.to_owned() };
     if value.contains([',', '"', '\n', '\r']) { format!("\"{}\"", value.replace('"', "\"\"")) } else { value }
 }
 

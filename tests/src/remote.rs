@@ -92,6 +92,7 @@ impl TestEnv {
             },
             readback_interval: Duration::ZERO,
             readback_window: Duration::from_secs(2),
+            absence_grace: Duration::from_millis(500),
             poll_interval: Duration::from_millis(50),
         }
     }
