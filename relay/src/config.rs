@@ -40,7 +40,7 @@ pub struct RelayConfig {
     #[arg(long, env = "HANDOFF_STREAM_MEMORY", default_value_t = false)]
     pub stream_memory: bool,
     /// Rows claimed per batch.
-    #[arg(long, env = "HANDOFF_RELAY_BATCH_SIZE", default_value_t = 500)]
+    #[arg(long, env = "HANDOFF_RELAY_BATCH_SIZE", default_value_t = 1000)]
     pub batch_size: i64,
     /// Concurrent claim-publish-mark loops.
     #[arg(long, env = "HANDOFF_RELAY_WORKERS", default_value_t = 2)]
@@ -63,6 +63,15 @@ pub struct RelayConfig {
     /// Longest retry delay, seconds.
     #[arg(long, env = "HANDOFF_RELAY_BACKOFF_MAX_SECS", default_value_t = 300)]
     pub backoff_max_secs: u64,
+    /// Seconds a committed row may wait behind an older, still open write transaction before it is
+    /// claimed on its own instead of in commit order.
+    #[arg(long, env = "HANDOFF_RELAY_HELD_BACK_SECS", default_value_t = 1.0)]
+    pub held_back_secs: f64,
+    /// Delete published rows (and their approved actions) this many seconds after publishing
+    /// (0 = keep forever). Keep them at least as long as the broker keeps messages, to re-publish a
+    /// range if it loses acknowledged ones.
+    #[arg(long, env = "HANDOFF_RELAY_RETENTION_SECS", default_value_t = 7 * 24 * 3600)]
+    pub retention_secs: u64,
     /// CloudEvents source attribute of published events.
     #[arg(long, env = "HANDOFF_EVENT_SOURCE", default_value = "/handoff/relay")]
     pub event_source: String,
@@ -100,6 +109,18 @@ impl RelayConfig {
             },
             workers: self.workers,
             source: self.event_source.clone(),
+            held_back: Duration::from_secs_f64(self.held_back_secs),
+            retention: (self.retention_secs > 0).then(|| Duration::from_secs(self.retention_secs)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_command_line_is_consistent() {
+        super::RelayConfig::command().debug_assert();
     }
 }

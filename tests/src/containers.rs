@@ -22,7 +22,7 @@ use anyhow::{Context, Result, bail};
 use sqlx::{AssertSqlSafe, Connection, PgConnection};
 use testcontainers::{
     ContainerAsync, GenericImage, ImageExt,
-    bollard::models::{HostConfig, PortBinding},
+    bollard::models::{HostConfig, Mount, MountType, PortBinding},
     core::{IntoContainerPort, WaitFor},
     runners::AsyncRunner,
 };
@@ -35,8 +35,44 @@ pub const DEFAULT_NATS_IMAGE: &str = "handoff-test/nats:2.15.1";
 
 const POSTGRES_PORT: u16 = 5432;
 const NATS_PORT: u16 = 4222;
+/// PGDATA in the image `scripts/build-images` builds (and in the official one).
+const POSTGRES_DATA: &str = "/var/lib/postgresql/data";
+/// The JetStream store directory both argument sets below use.
+const NATS_DATA: &str = "/data";
+/// JetStream with the default `sync_interval` (2 minutes).
+pub const NATS_DEFAULT_ARGS: [&str; 3] = ["-js", "--store_dir", "/data"];
+/// JetStream with `sync_interval: always`, from the config file only our image carries.
+pub const NATS_DURABLE_ARGS: [&str; 2] = ["-c", "/etc/nats/durable.conf"];
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(120);
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Where a server keeps its data.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Storage {
+    /// The container's writable layer (the default, and right for tests). On Docker's
+    /// fuse-overlayfs storage driver every write goes through a FUSE daemon: slow, its CPU counted in
+    /// no container, and fsync not the disk's.
+    #[default]
+    Layer,
+    /// An anonymous volume, removed with the container: the host filesystem's speed and fsync, as
+    /// a production server has. The benchmark uses this.
+    Volume,
+}
+
+impl Storage {
+    fn mounts(self, data_dir: &str) -> Option<Vec<Mount>> {
+        match self {
+            Self::Layer => None,
+            // A new volume is filled from the image's content at that path (Postgres's
+            // initialised cluster) before the server starts.
+            Self::Volume => Some(vec![Mount {
+                target: Some(data_dir.to_owned()),
+                typ: Some(MountType::VOLUME),
+                ..Default::default()
+            }]),
+        }
+    }
+}
 
 /// A Postgres server in a container, reachable as the trusted superuser `postgres`.
 #[derive(Debug)]
@@ -51,15 +87,24 @@ impl Postgres {
     /// Waiting for the log line alone is not enough for the official `postgres` image, whose
     /// entrypoint runs a temporary server (which logs the same line) before the real one.
     pub async fn start() -> Result<Self> {
+        Self::start_with(&[], Storage::Layer).await
+    }
+
+    /// Like [`Postgres::start`], with server arguments replacing the image's CMD when `args` is not
+    /// empty (e.g. `["-c", "fsync=on"]`; the test image's CMD turns fsync off for speed), and the
+    /// data directory where `storage` says. The benchmark uses this for production-like
+    /// durability and commit timestamps.
+    pub async fn start_with(args: &[&str], storage: Storage) -> Result<Self> {
         let image_ref = image_from_env("HANDOFF_POSTGRES_IMAGE", DEFAULT_POSTGRES_IMAGE);
         let (name, tag) = split_image(&image_ref);
         let started = Instant::now();
-        let container = GenericImage::new(name, tag)
+        let mut image = GenericImage::new(name, tag)
             .with_exposed_port(POSTGRES_PORT.tcp())
             .with_wait_for(WaitFor::message_on_stderr("database system is ready to accept connections"))
             .with_env_var("POSTGRES_HOST_AUTH_METHOD", "trust")
             .with_startup_timeout(STARTUP_TIMEOUT)
-            .with_host_config_modifier(|config| {
+            .with_host_config_modifier(move |config| {
+                config.mounts = storage.mounts(POSTGRES_DATA);
                 // Instead of publish-all on 0.0.0.0: one ephemeral port on loopback.
                 config.publish_all_ports = Some(false);
                 config.port_bindings = Some(HashMap::from([(
@@ -69,10 +114,12 @@ impl Postgres {
                         host_port: Some(String::new()),
                     }]),
                 )]));
-            })
-            .start()
-            .await
-            .with_context(|| format!("starting Postgres container from image {image_ref}"))?;
+            });
+        if !args.is_empty() {
+            image = image.with_cmd(args.iter().copied());
+        }
+        let container =
+            image.start().await.with_context(|| format!("starting Postgres container from image {image_ref}"))?;
         let port = container.get_host_port_ipv4(POSTGRES_PORT).await?;
         let pg = Self { container, port };
         pg.wait_until_queryable().await?;
@@ -156,17 +203,23 @@ pub struct Nats {
 impl Nats {
     /// Starts `nats-server -js --store_dir /data` (JetStream with the default `sync_interval`).
     pub async fn start() -> Result<Self> {
-        Self::start_with_args(&["-js", "--store_dir", "/data"]).await
+        Self::start_with_args(&NATS_DEFAULT_ARGS).await
     }
 
     /// Starts the server with `/etc/nats/durable.conf` (JetStream in `/data`,
     /// `sync_interval: always`). Only the image from `scripts/build-images` has that file.
     pub async fn start_durable() -> Result<Self> {
-        Self::start_with_args(&["-c", "/etc/nats/durable.conf"]).await
+        Self::start_with_args(&NATS_DURABLE_ARGS).await
     }
 
     /// Starts the server with these arguments (they replace the image's CMD).
     pub async fn start_with_args(args: &[&str]) -> Result<Self> {
+        Self::start_with(args, Storage::Layer).await
+    }
+
+    /// Starts the server with these arguments and its JetStream store (`/data`) where `storage`
+    /// says.
+    pub async fn start_with(args: &[&str], storage: Storage) -> Result<Self> {
         let image_ref = image_from_env("HANDOFF_NATS_IMAGE", DEFAULT_NATS_IMAGE);
         let (name, tag) = split_image(&image_ref);
         let started = Instant::now();
@@ -182,7 +235,10 @@ impl Nats {
                 .with_cmd(args.iter().copied())
                 .with_mapped_port(port, NATS_PORT.tcp())
                 .with_startup_timeout(STARTUP_TIMEOUT)
-                .with_host_config_modifier(bind_to_loopback)
+                .with_host_config_modifier(move |config| {
+                    config.mounts = storage.mounts(NATS_DATA);
+                    bind_to_loopback(config);
+                })
                 .start()
                 .await;
             match result {

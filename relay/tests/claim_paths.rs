@@ -1,0 +1,146 @@
+//! The relay's claim paths and retention on real Postgres and NATS: rows held back by an older open
+//! transaction, the rescue that hands them to the per-row path, retention, and rows left pending by
+//! a relay from before the range claim.
+
+use std::time::Duration;
+
+use handoff_relay::{Relay, RelaySettings};
+use handoff_tests::{SEED_TITLE, TestEnv};
+use sqlx::postgres::PgPoolOptions;
+
+/// An unrelated write transaction that stays open: it has a transaction id, so it holds back the
+/// horizon below which the relay claims in commit order.
+async fn open_write_transaction(env: &TestEnv) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut tx = env.producer_db.begin().await.unwrap();
+    sqlx::query("SELECT pg_current_xact_id()").execute(&mut *tx).await.unwrap();
+    tx
+}
+
+#[tokio::test]
+async fn a_row_committed_behind_an_open_transaction_waits_for_it_then_is_published_once() {
+    let env = TestEnv::start().await.unwrap();
+    let relay = env.relay(env.relay_settings()).await.unwrap();
+    let open = open_write_transaction(&env).await;
+    env.approve("case-104", SEED_TITLE).await.unwrap();
+
+    let batch = relay.publish_batch().await.unwrap();
+    assert_eq!(batch.claimed, 0, "{batch:?}");
+    assert!(batch.held_back_by.is_some(), "{batch:?}");
+    assert_eq!(env.stream_messages().await.unwrap(), 0);
+
+    open.commit().await.unwrap();
+    let batch = relay.publish_batch().await.unwrap();
+    assert_eq!((batch.published, batch.held_back_by), (1, None), "{batch:?}");
+    assert_eq!(relay.publish_batch().await.unwrap().claimed, 0);
+    assert_eq!(env.stream_messages().await.unwrap(), 1);
+    let (state, attempts): (String, i32) =
+        sqlx::query_as("SELECT state, attempts FROM handoff.outbox").fetch_one(&env.producer_db).await.unwrap();
+    assert_eq!((state.as_str(), attempts), ("published", 1));
+}
+
+#[tokio::test]
+async fn a_row_held_back_too_long_is_rescued_to_the_per_row_path_and_not_sent_again_later() {
+    let env = TestEnv::start().await.unwrap();
+    let settings = RelaySettings { held_back: Duration::ZERO, ..env.relay_settings() };
+    let relay = env.relay(settings).await.unwrap();
+    let open = open_write_transaction(&env).await;
+    env.approve("case-104", SEED_TITLE).await.unwrap();
+    assert!(relay.publish_batch().await.unwrap().held_back_by.is_some());
+
+    assert_eq!(relay.rescue_held_back_rows().await.unwrap(), 1);
+    let batch = relay.publish_batch().await.unwrap();
+    assert_eq!((batch.claimed, batch.published), (1, 1), "{batch:?}");
+    assert_eq!(batch.held_back_by, None, "a rescued row no longer counts as held back");
+
+    // When the old transaction ends, the range that covers the row finds it published already.
+    open.commit().await.unwrap();
+    assert_eq!(relay.publish_batch().await.unwrap().claimed, 0);
+    let ranges: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM handoff.relay_batch").fetch_one(&env.producer_db).await.unwrap();
+    assert_eq!(ranges, 0, "the empty range was released");
+    assert_eq!(env.stream_messages().await.unwrap(), 1);
+    assert_eq!(env.outbox().await.unwrap().published, 1);
+}
+
+#[tokio::test]
+async fn retention_deletes_rows_published_longer_ago_with_their_approvals_and_keeps_the_rest() {
+    let env = TestEnv::start().await.unwrap();
+    let settings = RelaySettings { retention: Some(Duration::from_secs(3600)), ..env.relay_settings() };
+    let relay = env.relay(settings).await.unwrap();
+    for case in ["case-1", "case-2", "case-3"] {
+        env.approve(case, SEED_TITLE).await.unwrap();
+    }
+    assert_eq!(relay.publish_batch().await.unwrap().published, 3);
+    env.approve("case-4", SEED_TITLE).await.unwrap();
+    sqlx::query(
+        "UPDATE handoff.outbox SET published_at = now() - interval '2 hours'
+          WHERE operation_key IN ('harbor:create-followup:v1:case-1', 'harbor:create-followup:v1:case-2')",
+    )
+    .execute(&env.producer_db)
+    .await
+    .unwrap();
+
+    assert_eq!(relay.apply_retention().await.unwrap(), 2);
+    let outbox = env.outbox().await.unwrap();
+    assert_eq!((outbox.published, outbox.pending), (1, 1));
+    assert_eq!(env.approvals().await.unwrap(), 2);
+    assert_eq!(relay.apply_retention().await.unwrap(), 0, "nothing else is old enough");
+    // The pending row is unaffected and still goes out.
+    assert_eq!(relay.publish_batch().await.unwrap().published, 1);
+}
+
+#[tokio::test]
+async fn rows_left_pending_by_a_relay_from_before_the_upgrade_are_published_on_the_per_row_path() {
+    let env = TestEnv::start().await.unwrap();
+    let url = env.postgres.fresh_database("upgrade").await.unwrap();
+    let pool = PgPoolOptions::new().max_connections(4).connect(&url).await.unwrap();
+    handoff_relay::MIGRATOR.run_to(20261129000001, &pool).await.unwrap();
+    sqlx::query(
+        "SELECT handoff.record_approved_action('harbor:create-followup:v1:case-' || i,
+                jsonb_build_object('case_id', 'case-' || i), 'user-17')
+           FROM generate_series(1, 3) AS i",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    // One row was published by the old relay, one is leased by it right now.
+    sqlx::query("UPDATE handoff.outbox SET state = 'published', stream_sequence = 1 WHERE id = 1")
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE handoff.outbox SET lease_owner = 'old', next_attempt_at = now() + interval '1 hour' WHERE id = 2")
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    let client = async_nats::connect(env.nats.url()).await.unwrap();
+    let relay = Relay::build(pool.clone(), client, env.stream_settings(), env.relay_settings()).await.unwrap();
+    let retrying: Vec<i64> = sqlx::query_scalar("SELECT id FROM handoff.outbox WHERE retrying ORDER BY id")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(retrying, [2, 3]);
+
+    // Row 3 is due; row 2 waits for the old relay's lease.
+    let batch = relay.publish_batch().await.unwrap();
+    assert_eq!((batch.claimed, batch.published), (1, 1), "{batch:?}");
+    assert_eq!(relay.publish_batch().await.unwrap().claimed, 0);
+    // A row recorded after the upgrade goes by range.
+    sqlx::query("SELECT handoff.record_approved_action('harbor:create-followup:v1:case-4', '{\"case_id\": \"case-4\"}', 'user-17')")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(relay.publish_batch().await.unwrap().published, 1);
+    let states: Vec<(i64, String, bool)> =
+        sqlx::query_as("SELECT id, state, retrying FROM handoff.outbox ORDER BY id").fetch_all(&pool).await.unwrap();
+    assert_eq!(
+        states,
+        [
+            (1, "published".to_owned(), false),
+            (2, "pending".to_owned(), true),
+            (3, "published".to_owned(), false),
+            (4, "published".to_owned(), false)
+        ]
+    );
+    assert_eq!(env.stream_messages().await.unwrap(), 2);
+}
