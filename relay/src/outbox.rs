@@ -524,10 +524,8 @@ pub async fn settle(
         Lease::Rows if published.is_empty() && failed.is_empty() => return Ok(Settled::default()),
         Lease::Rows => None,
     };
-    let (hash_keys, hashes): (Vec<&str>, Vec<&str>) = published
-        .iter()
-        .filter_map(|r| r.computed_hash.as_deref().map(|h| (r.operation_key.as_str(), h)))
-        .unzip();
+    let (hash_keys, hashes): (Vec<&str>, Vec<&str>) =
+        published.iter().filter_map(|r| r.computed_hash.as_deref().map(|h| (r.operation_key.as_str(), h))).unzip();
     let states: Vec<&str> = failed
         .iter()
         .map(|r| match r.outcome {
@@ -632,14 +630,19 @@ pub async fn delete_expired(
     limit: i64,
     retention: Duration,
 ) -> Result<RetentionStep, sqlx::Error> {
-    let (examined, deleted, reached_young, last_transaction_id, last_id): (i64, i64, bool, Option<String>, Option<i64>) =
-        sqlx::query_as(DELETE_EXPIRED)
-            .bind(&after.transaction_id)
-            .bind(after.outbox_id)
-            .bind(limit)
-            .bind(retention.as_secs_f64())
-            .fetch_one(pool)
-            .await?;
+    let (examined, deleted, reached_young, last_transaction_id, last_id): (
+        i64,
+        i64,
+        bool,
+        Option<String>,
+        Option<i64>,
+    ) = sqlx::query_as(DELETE_EXPIRED)
+        .bind(&after.transaction_id)
+        .bind(after.outbox_id)
+        .bind(limit)
+        .bind(retention.as_secs_f64())
+        .fetch_one(pool)
+        .await?;
     let next = last_transaction_id
         .zip(last_id)
         .map(|(transaction_id, outbox_id)| RetentionPosition { transaction_id, outbox_id });

@@ -221,7 +221,9 @@ impl Relay {
 
     /// Claims one batch, publishes it and records the outcome.
     pub async fn publish_batch(&self) -> Result<Published, RelayError> {
+        let started = Instant::now();
         let Claim { lease, rows, more_due, held_back_by } = self.claim().await?;
+        let claimed_at = Instant::now();
         let mut outcome = Published { claimed: rows.len(), more_due, held_back_by, ..Published::default() };
 
         // Decide per row before anything is sent: over budget, or not what was approved -> blocked.
@@ -234,13 +236,18 @@ impl Relay {
                     outgoing.push(message);
                     sendable.push((row, computed_hash));
                 }
-                Err(reason) => {
-                    failed.push(FailedRow { id: row.id, attempts: row.attempts, outcome: Failure::Block, error: reason })
-                }
+                Err(reason) => failed.push(FailedRow {
+                    id: row.id,
+                    attempts: row.attempts,
+                    outcome: Failure::Block,
+                    error: reason,
+                }),
             }
         }
 
-        let acks = if outgoing.is_empty() { Vec::new() } else { publisher::publish_pipelined(&self.js, outgoing).await };
+        let acks =
+            if outgoing.is_empty() { Vec::new() } else { publisher::publish_pipelined(&self.js, outgoing).await };
+        let published_at = Instant::now();
         if outcome.claimed > 0 && RelayFaults::fire(&self.faults.crash_after_publish) {
             return Err(RelayError::InjectedCrash("after publish, before marking rows published"));
         }
@@ -281,6 +288,15 @@ impl Relay {
         outcome.blocked = failed.len() - outcome.retried;
         // Also releases a range whose rows had all been handled elsewhere (nothing to send).
         outbox::settle(&self.pool, &self.owner, &self.stream.name, lease, &published, &failed).await?;
+        if outcome.claimed > 0 {
+            tracing::debug!(
+                claimed = outcome.claimed,
+                claim_us = (claimed_at - started).as_micros() as u64,
+                publish_us = (published_at - claimed_at).as_micros() as u64,
+                settle_us = published_at.elapsed().as_micros() as u64,
+                "batch timings"
+            );
+        }
         Ok(outcome)
     }
 
@@ -294,7 +310,9 @@ impl Relay {
                 RangeClaim::Claimed(claim) => return Ok(claim),
                 RangeClaim::Contended => continue,
                 RangeClaim::Priority { expired_range, due_retries } => {
-                    if expired_range && let Some(claim) = outbox::claim_expired_range(&self.pool, &self.owner, lease).await? {
+                    if expired_range
+                        && let Some(claim) = outbox::claim_expired_range(&self.pool, &self.owner, lease).await?
+                    {
                         return Ok(claim);
                     }
                     if due_retries {
@@ -465,8 +483,11 @@ impl Relay {
         let started = Instant::now();
         let limit = self.settings.poll_interval.min(self.settings.held_back);
         let mut pause = HORIZON_POLL;
+        let mut polls = 0;
         while started.elapsed() < limit {
+            polls += 1;
             if outbox::horizon_passed(&self.pool, transaction_id).await? {
+                tracing::trace!(polls, waited_us = started.elapsed().as_micros() as u64, "horizon passed");
                 break;
             }
             tokio::select! {

@@ -108,17 +108,17 @@ async fn rows_left_pending_by_a_relay_from_before_the_upgrade_are_published_on_t
         .execute(&pool)
         .await
         .unwrap();
-    sqlx::query("UPDATE handoff.outbox SET lease_owner = 'old', next_attempt_at = now() + interval '1 hour' WHERE id = 2")
-        .execute(&pool)
-        .await
-        .unwrap();
+    sqlx::query(
+        "UPDATE handoff.outbox SET lease_owner = 'old', next_attempt_at = now() + interval '1 hour' WHERE id = 2",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
 
     let client = async_nats::connect(env.nats.url()).await.unwrap();
     let relay = Relay::build(pool.clone(), client, env.stream_settings(), env.relay_settings()).await.unwrap();
-    let retrying: Vec<i64> = sqlx::query_scalar("SELECT id FROM handoff.outbox WHERE retrying ORDER BY id")
-        .fetch_all(&pool)
-        .await
-        .unwrap();
+    let retrying: Vec<i64> =
+        sqlx::query_scalar("SELECT id FROM handoff.outbox WHERE retrying ORDER BY id").fetch_all(&pool).await.unwrap();
     assert_eq!(retrying, [2, 3]);
 
     // Row 3 is due; row 2 waits for the old relay's lease.

@@ -1,0 +1,431 @@
+//! The bare ceilings of this machine: minimal loops that do only the essential work of each stage,
+//! with nothing the product adds (no envelope, no hash, no verification, no retry state). The
+//! product's figures are divided by these, measured in the same run on the same servers.
+//!
+//! * `publish`: pipelined JetStream publishing with message ids (a window of acks in flight).
+//! * `claim_mark`: claim 1,000 outbox rows (`FOR UPDATE SKIP LOCKED`, a lease) and mark them, no
+//!   network.
+//! * `inbox_task`: insert 500 inbox rows and 500 task rows in one transaction, no network.
+//! * `relay`: claim 1,000 rows, publish them pipelined, await the acks, mark them published.
+//! * `consumer`: fetch 500 messages, insert inbox and task rows in one transaction, commit, ack
+//!   (plain or double ack).
+//! * `round_trip`: one message from publish to a waiting pull consumer: the latency yardstick.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
+use async_nats::jetstream::message::PublishMessage;
+use async_nats::jetstream::stream::StorageType;
+use bytes::Bytes;
+use futures::StreamExt;
+use futures::future::join_all;
+use futures::stream::FuturesUnordered;
+use handoff_relay::StreamSettings;
+use handoff_shared::{Subjects, headers};
+use sqlx::PgPool;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::measure::{Meter, Sample};
+use crate::workload;
+use crate::world::World;
+
+/// Rows per claim in the bare relay loops (the issue's reference loop).
+pub const CLAIM_BATCH: i64 = 1_000;
+/// Messages per consumer transaction in the bare consumer loop.
+pub const CONSUME_BATCH: usize = 500;
+/// Publishes in flight at once in the publish ceiling (below the client's default of 5,000).
+const PUBLISH_WINDOW: usize = 4_096;
+
+/// Stream settings as the relay creates them by default (file storage, Limits, DiscardPolicy::New).
+pub fn stream_settings(name: &str, subjects: &Subjects) -> StreamSettings {
+    StreamSettings {
+        name: name.to_owned(),
+        subjects: subjects.clone(),
+        duplicate_window: Duration::from_secs(3600),
+        max_age: Duration::from_secs(7 * 24 * 3600),
+        max_bytes: -1,
+        replicas: 1,
+        storage: StorageType::File,
+    }
+}
+
+/// `n` encoded envelopes of `batch`, made before any clock starts.
+pub fn envelopes(batch: &str, n: i64) -> Result<Vec<(String, Bytes)>> {
+    (1..=n).map(|i| workload::envelope(batch, i)).collect()
+}
+
+/// A stream filled with envelopes, which the consumer measurements read from.
+#[derive(Debug, Clone)]
+pub struct FilledStream {
+    pub name: String,
+    pub subjects: Subjects,
+    pub messages: u64,
+}
+
+/// Publishes `messages` pipelined into a new stream; returns the sample and the stream.
+pub async fn publish(world: &mut World, messages: &[(String, Bytes)]) -> Result<(Sample, FilledStream)> {
+    let name = world.unique("CEIL");
+    let subjects = Subjects::new(name.to_lowercase())?;
+    handoff_relay::publisher::ensure_stream(&world.js, &stream_settings(&name, &subjects)).await?;
+    let subject = format!("{}.bench.create-followup", subjects.prefix());
+    let meter = Meter::start(world, &[]);
+    let mut in_flight = FuturesUnordered::new();
+    for (key, body) in messages {
+        let publish = PublishMessage::build()
+            .payload(body.clone())
+            .header(headers::CONTENT_TYPE, headers::CLOUDEVENTS_JSON)
+            .message_id(key);
+        in_flight.push(world.js.send_publish(subject.clone(), publish).await?.into_future());
+        if in_flight.len() >= PUBLISH_WINDOW {
+            in_flight.next().await.context("an ack in flight")??;
+        }
+    }
+    while let Some(ack) = in_flight.next().await {
+        ack?;
+    }
+    let sample = meter.finish(world, &[], messages.len() as u64);
+    let stored = world.stream_messages(&name).await?;
+    ensure!(stored == messages.len() as u64, "publish ceiling stored {stored} of {} messages", messages.len());
+    Ok((sample, FilledStream { name, subjects, messages: stored }))
+}
+
+const BARE_SCHEMA: &str = r#"
+    CREATE TABLE bare_outbox (
+        id              bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+        operation_key   text NOT NULL UNIQUE,
+        payload         jsonb NOT NULL,
+        state           text NOT NULL DEFAULT 'pending',
+        attempts        integer NOT NULL DEFAULT 0,
+        next_attempt_at timestamptz NOT NULL DEFAULT now(),
+        lease_owner     text,
+        stream_sequence bigint,
+        published_at    timestamptz
+    );
+    CREATE INDEX bare_outbox_due ON bare_outbox (next_attempt_at) WHERE state = 'pending';
+    CREATE TABLE bare_inbox (
+        operation_key   text PRIMARY KEY,
+        payload_hash    text NOT NULL,
+        stream_sequence bigint NOT NULL,
+        received_at     timestamptz NOT NULL DEFAULT now()
+    );
+    CREATE TABLE bare_task (
+        task_id       bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+        operation_key text NOT NULL UNIQUE,
+        payload       jsonb NOT NULL,
+        created_at    timestamptz NOT NULL DEFAULT now()
+    );"#;
+
+/// Creates the bare tables in a fresh database.
+pub async fn create_bare_schema(pool: &PgPool) -> Result<()> {
+    sqlx::raw_sql(BARE_SCHEMA).execute(pool).await?;
+    Ok(())
+}
+
+/// Fills `bare_outbox` with `n` pending rows carrying the benchmark payloads.
+pub async fn fill_bare_outbox(pool: &PgPool, n: i64) -> Result<()> {
+    sqlx::query(
+        r#"INSERT INTO bare_outbox (operation_key, payload)
+           SELECT 'bench:create-followup:v1:bare-' || i,
+                  jsonb_build_object('case_id', 'case-' || i, 'due', '2026-12-01', 'priority', 'normal',
+                                     'title', 'Call about the approved repair plan ' || i)
+             FROM generate_series(1, $1::bigint) AS i"#,
+    )
+    .bind(n)
+    .execute(pool)
+    .await?;
+    // No VACUUM or ANALYZE: a backlog is drained as it arrives, for the bare loop as for the relay.
+    Ok(())
+}
+
+/// The bare claim: a lease and an attempt on up to `$1` due rows.
+const BARE_CLAIM: &str = r#"
+    UPDATE bare_outbox
+       SET attempts = attempts + 1, lease_owner = $2, next_attempt_at = now() + interval '30 seconds'
+     WHERE id = ANY(ARRAY(SELECT id FROM bare_outbox
+                           WHERE state = 'pending' AND next_attempt_at <= now()
+                           ORDER BY next_attempt_at
+                           LIMIT $1
+                             FOR UPDATE SKIP LOCKED))
+ RETURNING id, operation_key, payload::text"#;
+
+/// The bare mark: published with a sequence, in one statement. (`o.id = ANY(..)` keeps it on the
+/// primary key: without it a batch of 1% of the table is planned as a hash join over a full scan.)
+const BARE_MARK: &str = r#"
+    UPDATE bare_outbox AS o
+       SET state = 'published', stream_sequence = u.seq, published_at = now(), lease_owner = NULL
+      FROM UNNEST($1::bigint[], $2::bigint[]) AS u(id, seq)
+     WHERE o.id = u.id AND o.id = ANY($1::bigint[])"#;
+
+/// Claim + mark with no network in between, `workers` loops, until the table is drained.
+pub async fn claim_mark(world: &World, pool: &PgPool, n: i64, workers: usize) -> Result<Sample> {
+    let meter = Meter::start(world, &[]);
+    let mut loops = JoinSet::new();
+    for w in 0..workers {
+        let pool = pool.clone();
+        loops.spawn(async move {
+            let owner = format!("bare-{w}");
+            let mut moved = 0_u64;
+            loop {
+                let rows: Vec<(i64, String, String)> =
+                    sqlx::query_as(BARE_CLAIM).bind(CLAIM_BATCH).bind(&owner).fetch_all(&pool).await?;
+                if rows.is_empty() {
+                    return anyhow::Ok(moved);
+                }
+                let ids: Vec<i64> = rows.iter().map(|r| r.0).collect();
+                sqlx::query(BARE_MARK).bind(&ids).bind(&ids).execute(&pool).await?;
+                moved += rows.len() as u64;
+            }
+        });
+    }
+    let mut moved = 0;
+    while let Some(done) = loops.join_next().await {
+        moved += done??;
+    }
+    ensure!(moved == n as u64, "claim+mark moved {moved} of {n} rows");
+    Ok(meter.finish(world, &[], moved))
+}
+
+/// Inbox + task rows, 500 per transaction, `workers` loops, no network.
+pub async fn inbox_task(world: &World, pool: &PgPool, n: i64, workers: usize) -> Result<Sample> {
+    let rows: Arc<Vec<(String, String, serde_json::Value)>> = Arc::new(
+        (1..=n).map(|i| (workload::key("it", i), format!("{:064x}", i), workload::payload(i))).collect::<Vec<_>>(),
+    );
+    let next = Arc::new(AtomicU64::new(0));
+    let meter = Meter::start(world, &[]);
+    let mut loops = JoinSet::new();
+    for _ in 0..workers {
+        let (pool, rows, next) = (pool.clone(), rows.clone(), next.clone());
+        loops.spawn(async move {
+            loop {
+                let start = next.fetch_add(CONSUME_BATCH as u64, Ordering::Relaxed) as usize;
+                if start >= rows.len() {
+                    return anyhow::Ok(());
+                }
+                let chunk = &rows[start..(start + CONSUME_BATCH).min(rows.len())];
+                insert_inbox_and_tasks(&pool, chunk.iter().map(|(k, h, p)| (k.as_str(), h.as_str(), p.clone(), 0)))
+                    .await?;
+            }
+        });
+    }
+    while let Some(done) = loops.join_next().await {
+        done??;
+    }
+    Ok(meter.finish(world, &[], n as u64))
+}
+
+/// One consumer transaction: inbox rows (new keys only) and their task rows.
+async fn insert_inbox_and_tasks<'a>(
+    pool: &PgPool,
+    rows: impl Iterator<Item = (&'a str, &'a str, serde_json::Value, i64)>,
+) -> Result<()> {
+    let (mut keys, mut hashes, mut payloads, mut seqs) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for (k, h, p, s) in rows {
+        keys.push(k);
+        hashes.push(h);
+        payloads.push(p);
+        seqs.push(s);
+    }
+    let mut tx = pool.begin().await?;
+    let new: Vec<String> = sqlx::query_scalar(
+        r#"INSERT INTO bare_inbox (operation_key, payload_hash, stream_sequence)
+           SELECT * FROM UNNEST($1::text[], $2::text[], $3::bigint[])
+           ON CONFLICT (operation_key) DO NOTHING
+           RETURNING operation_key"#,
+    )
+    .bind(&keys)
+    .bind(&hashes)
+    .bind(&seqs)
+    .fetch_all(&mut *tx)
+    .await?;
+    if new.len() < keys.len() {
+        bail!("bare inbox: {} of {} keys were not new", keys.len() - new.len(), keys.len());
+    }
+    sqlx::query(
+        r#"INSERT INTO bare_task (operation_key, payload)
+           SELECT * FROM UNNEST($1::text[], $2::jsonb[])
+           ON CONFLICT (operation_key) DO NOTHING"#,
+    )
+    .bind(&keys)
+    .bind(&payloads)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(())
+}
+
+/// The bare relay: claim 1,000, publish pipelined with message ids, await acks, mark; `workers`
+/// loops, each on its own NATS connection (as separate relay processes would be).
+pub async fn relay(world: &mut World, pool: &PgPool, n: i64, workers: usize) -> Result<Sample> {
+    let name = world.unique("BRELAY");
+    let subjects = Subjects::new(name.to_lowercase())?;
+    handoff_relay::publisher::ensure_stream(&world.js, &stream_settings(&name, &subjects)).await?;
+    let subject = format!("{}.bench.create-followup", subjects.prefix());
+    let mut clients = Vec::new();
+    for _ in 0..workers {
+        clients.push(async_nats::connect(world.nats.url()).await?);
+    }
+    let meter = Meter::start(world, &[]);
+    let mut loops = JoinSet::new();
+    for (w, client) in clients.into_iter().enumerate() {
+        let (pool, subject) = (pool.clone(), subject.clone());
+        loops.spawn(async move {
+            let js = async_nats::jetstream::new(client);
+            let owner = format!("bare-{w}");
+            let mut moved = 0_u64;
+            loop {
+                let rows: Vec<(i64, String, String)> =
+                    sqlx::query_as(BARE_CLAIM).bind(CLAIM_BATCH).bind(&owner).fetch_all(&pool).await?;
+                if rows.is_empty() {
+                    return anyhow::Ok(moved);
+                }
+                let mut acks = Vec::with_capacity(rows.len());
+                for (_, key, payload) in &rows {
+                    let publish = PublishMessage::build().payload(Bytes::from(payload.clone())).message_id(key);
+                    acks.push(js.send_publish(subject.clone(), publish).await?.into_future());
+                }
+                let mut ids = Vec::with_capacity(rows.len());
+                let mut seqs = Vec::with_capacity(rows.len());
+                for ((id, _, _), ack) in rows.iter().zip(join_all(acks).await) {
+                    ids.push(*id);
+                    seqs.push(ack?.sequence as i64);
+                }
+                sqlx::query(BARE_MARK).bind(&ids).bind(&seqs).execute(&pool).await?;
+                moved += rows.len() as u64;
+            }
+        });
+    }
+    let mut moved = 0;
+    while let Some(done) = loops.join_next().await {
+        moved += done??;
+    }
+    let sample = meter.finish(world, &[], moved);
+    ensure!(moved == n as u64, "bare relay moved {moved} of {n} rows");
+    let stored = world.stream_messages(&name).await?;
+    ensure!(stored == n as u64, "bare relay stored {stored} messages for {n} rows");
+    world.drop_stream(&name).await;
+    Ok(sample)
+}
+
+/// The bare consumer: `workers` loops on one durable, each on its own connection, fetching up to
+/// 500 messages, inserting inbox and task rows in one transaction, then acking each message
+/// (`double_ack` waits for the server's confirmation, as the real consumer does).
+pub async fn consumer(
+    world: &mut World,
+    pool: &PgPool,
+    source: &FilledStream,
+    workers: usize,
+    double_ack: bool,
+) -> Result<Sample> {
+    let durable = world.unique("bare");
+    let stream = world.js.get_stream(&source.name).await?;
+    stream
+        .create_consumer(pull::Config {
+            durable_name: Some(durable.clone()),
+            filter_subject: source.subjects.all(),
+            ack_policy: AckPolicy::Explicit,
+            deliver_policy: DeliverPolicy::All,
+            ack_wait: Duration::from_secs(30),
+            max_deliver: -1,
+            max_ack_pending: (CONSUME_BATCH * workers * 2) as i64,
+            ..Default::default()
+        })
+        .await?;
+    let total = source.messages;
+    let done = Arc::new(AtomicU64::new(0));
+    let finished = CancellationToken::new();
+    let mut consumers = Vec::new();
+    for _ in 0..workers {
+        let client = async_nats::connect(world.nats.url()).await?;
+        let js = async_nats::jetstream::new(client);
+        let consumer: async_nats::jetstream::consumer::PullConsumer =
+            js.get_consumer_from_stream(&durable, &source.name).await?;
+        consumers.push(consumer);
+    }
+    let meter = Meter::start(world, &[]);
+    let mut loops = JoinSet::new();
+    for consumer in consumers {
+        let (pool, done, finished) = (pool.clone(), done.clone(), finished.clone());
+        loops.spawn(async move {
+            let messages = consumer.stream().max_messages_per_batch(CONSUME_BATCH).messages().await?;
+            let mut chunks = messages.ready_chunks(CONSUME_BATCH);
+            loop {
+                let chunk = tokio::select! {
+                    // Another loop handled the last message.
+                    _ = finished.cancelled() => return anyhow::Ok(()),
+                    chunk = chunks.next() => chunk,
+                };
+                let Some(chunk) = chunk else { bail!("pull stream ended") };
+                let messages = chunk.into_iter().collect::<Result<Vec<_>, _>>().map_err(|e| anyhow::anyhow!(e))?;
+                let rows: Vec<(String, serde_json::Value, i64)> = messages
+                    .iter()
+                    .map(|m| {
+                        let key =
+                            m.headers.as_ref().and_then(|h| h.get(headers::MSG_ID)).map(|v| v.as_str().to_owned());
+                        let seq = m.info().map(|i| i.stream_sequence as i64).unwrap_or_default();
+                        let body = serde_json::from_slice(&m.payload).unwrap_or(serde_json::Value::Null);
+                        (key.unwrap_or_default(), body, seq)
+                    })
+                    .collect();
+                insert_inbox_and_tasks(&pool, rows.iter().map(|(k, b, s)| (k.as_str(), "bare", b.clone(), *s))).await?;
+                if double_ack {
+                    for acked in join_all(messages.iter().map(|m| m.double_ack())).await {
+                        acked.map_err(|e| anyhow::anyhow!(e))?;
+                    }
+                } else {
+                    for m in &messages {
+                        m.ack().await.map_err(|e| anyhow::anyhow!(e))?;
+                    }
+                }
+                if done.fetch_add(messages.len() as u64, Ordering::Relaxed) + messages.len() as u64 >= total {
+                    finished.cancel();
+                }
+            }
+        });
+    }
+    while let Some(result) = loops.join_next().await {
+        result??;
+    }
+    let sample = meter.finish(world, &[], total);
+    let tasks: i64 = sqlx::query_scalar("SELECT count(*) FROM bare_task").fetch_one(pool).await?;
+    ensure!(tasks == total as i64, "bare consumer made {tasks} tasks for {total} messages");
+    let _ = world.js.delete_consumer_from_stream(&durable, &source.name).await;
+    Ok(sample)
+}
+
+/// The latency yardstick: one message at a time from publish to a pull consumer that is already
+/// waiting, `samples` times (spaced 2 ms apart, an idle system). Milliseconds per message.
+pub async fn round_trip(world: &mut World, samples: usize) -> Result<Vec<f64>> {
+    let name = world.unique("RTT");
+    let subjects = Subjects::new(name.to_lowercase())?;
+    let stream = handoff_relay::publisher::ensure_stream(&world.js, &stream_settings(&name, &subjects)).await?;
+    let stream = world.js.get_stream(&stream.config.name).await?;
+    let consumer = stream
+        .create_consumer(pull::Config {
+            durable_name: Some("rtt".into()),
+            filter_subject: subjects.all(),
+            ack_policy: AckPolicy::Explicit,
+            ..Default::default()
+        })
+        .await?;
+    let mut messages = consumer.stream().max_messages_per_batch(100).messages().await?;
+    let subject = format!("{}.bench.create-followup", subjects.prefix());
+    let (key, body) = workload::envelope("rtt", 1)?;
+    let mut millis = Vec::with_capacity(samples);
+    for i in 0..samples {
+        let publish = PublishMessage::build().payload(body.clone()).message_id(format!("{key}-{i}"));
+        let sent = Instant::now();
+        let ack = world.js.send_publish(subject.clone(), publish).await?;
+        let message = messages.next().await.context("pull stream ended")?.map_err(|e| anyhow::anyhow!(e))?;
+        millis.push(sent.elapsed().as_secs_f64() * 1e3);
+        message.ack().await.map_err(|e| anyhow::anyhow!(e))?;
+        ack.await?;
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    drop(messages);
+    world.drop_stream(&name).await;
+    Ok(millis)
+}

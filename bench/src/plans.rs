@@ -1,0 +1,199 @@
+//! Claim cost as the backlog grows: the relay's own claim statements (the constants in
+//! `handoff_relay::outbox`, not copies), timed and explained at each backlog size.
+//!
+//! A claim is timed whole, as the relay runs it (one statement: move the cursor, record the range,
+//! return its rows with their payloads), inside a transaction that is rolled back, so every
+//! repetition claims the same rows. Statistics are left to autovacuum, as in production: a backlog that arrives
+//! faster than ANALYZE must not change the plan (platform notes).
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use anyhow::Result;
+use handoff_relay::outbox::{CLAIM_NEW_RANGE, CLAIM_RETRY_ROWS, DELETE_EXPIRED, ROWS_IN_RANGE, SETTLE};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{AssertSqlSafe, PgPool, Row};
+
+use crate::report::{PlanSample, Stats};
+use crate::workload;
+use crate::world::World;
+
+/// Claims timed per backlog size.
+const REPETITIONS: usize = 15;
+/// Backlog rows recorded per transaction while growing the table.
+const FILL_CHUNK: i64 = 100_000;
+
+/// Grows one outbox through `backlogs` (ascending) and measures a claim of `batch` rows at each.
+pub async fn claim_cost(world: &World, backlogs: &[i64], batch: i64) -> Result<Vec<PlanSample>> {
+    let db = world.database("bench_plans", 2).await?;
+    handoff_relay::MIGRATOR.run(&db.pool).await?;
+    // The relay's session settings, so plans are the ones it gets.
+    let options = db
+        .url
+        .parse::<PgConnectOptions>()?
+        .options([("synchronous_commit", "off"), ("plan_cache_mode", "force_custom_plan")]);
+    let pool = PgPoolOptions::new().max_connections(1).connect_with(options).await?;
+    let mut recorded = 0;
+    let mut samples = Vec::new();
+    for &backlog in backlogs {
+        while recorded < backlog {
+            let n = FILL_CHUNK.min(backlog - recorded);
+            workload::record_actions(&pool, "plan", recorded + 1, n).await?;
+            recorded += n;
+        }
+        let mut millis = Vec::with_capacity(REPETITIONS);
+        for _ in 0..REPETITIONS {
+            let mut tx = pool.begin().await?;
+            let started = Instant::now();
+            let rows = claim(&mut tx, batch).await?;
+            millis.push(started.elapsed().as_secs_f64() * 1e3);
+            tx.rollback().await?;
+            anyhow::ensure!(rows.len() as i64 == batch.min(backlog), "claimed {} rows", rows.len());
+        }
+        let plans = explain_all(&pool, batch).await?;
+        let full_scans = full_scans(&plans, batch);
+        samples.push(PlanSample { backlog, claim_ms: Stats::of(millis), batch, full_scans, plans });
+    }
+    pool.close().await;
+    world.drop_database(db).await?;
+    Ok(samples)
+}
+
+/// EXPLAIN (ANALYZE, BUFFERS) of each relay statement, each in a transaction that is rolled back.
+async fn explain_all(pool: &PgPool, batch: i64) -> Result<BTreeMap<String, String>> {
+    let mut plans = BTreeMap::new();
+    let mut tx = pool.begin().await?;
+    plans.insert(
+        "claim_new_range".into(),
+        explain(&mut tx, CLAIM_NEW_RANGE, |q| q.bind(batch).bind("bench").bind(30.0).bind(true)).await?,
+    );
+    tx.rollback().await?;
+
+    // The range claimed (and rolled back) here is the one the statements below work on.
+    let mut tx = pool.begin().await?;
+    let claimed = claim(&mut tx, batch).await?;
+    let batch_id: Option<i64> = claimed.first().map(|r| r.get("batch_id"));
+    plans.insert("rows_in_range".into(), explain(&mut tx, ROWS_IN_RANGE, |q| q.bind(batch_id)).await?);
+    let ids: Vec<i64> = claimed.iter().map(|r| r.get("id")).collect();
+    let attempts = vec![1_i32; ids.len()];
+    let duplicates = vec![false; ids.len()];
+    let none: Vec<String> = Vec::new();
+    plans.insert(
+        "settle".into(),
+        explain(&mut tx, SETTLE, |q| {
+            q.bind("BENCH")
+                .bind(ids.clone())
+                .bind(ids.clone())
+                .bind(duplicates)
+                .bind(attempts)
+                .bind(none.clone())
+                .bind(none.clone())
+                .bind(Vec::<i64>::new())
+                .bind(none.clone())
+                .bind(Vec::<f64>::new())
+                .bind(none.clone())
+                .bind(Vec::<i32>::new())
+                .bind("bench")
+                .bind(batch_id)
+        })
+        .await?,
+    );
+    tx.rollback().await?;
+
+    let mut tx = pool.begin().await?;
+    plans.insert(
+        "claim_retry_rows".into(),
+        explain(&mut tx, CLAIM_RETRY_ROWS, |q| q.bind(batch).bind("bench").bind(30.0)).await?,
+    );
+    plans.insert(
+        "retention_step".into(),
+        explain(&mut tx, DELETE_EXPIRED, |q| q.bind("0").bind(0_i64).bind(5_000_i64).bind(3600.0)).await?,
+    );
+    tx.rollback().await?;
+    Ok(plans)
+}
+
+/// One range claim as the relay runs it; the claimed rows (each line carries the range id).
+async fn claim(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, batch: i64) -> Result<Vec<sqlx::postgres::PgRow>> {
+    let lines =
+        sqlx::query(CLAIM_NEW_RANGE).bind(batch).bind("bench").bind(30.0).bind(true).fetch_all(&mut **tx).await?;
+    Ok(lines.into_iter().filter(|l| l.get::<Option<i64>, _>("id").is_some()).collect())
+}
+
+type Query<'q> = sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>;
+
+async fn explain<'q>(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    sql: &'static str,
+    bind: impl FnOnce(Query<'q>) -> Query<'q>,
+) -> Result<String> {
+    let text = format!("EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) {sql}");
+    let rows = bind(sqlx::query(AssertSqlSafe(text))).fetch_all(&mut **tx).await?;
+    Ok(rows.iter().map(|r| elide_arrays(&r.get::<String, _>(0))).collect::<Vec<_>>().join("\n"))
+}
+
+/// Replaces long array literals (the bound id lists) with their length, to keep plans readable.
+fn elide_arrays(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut rest = line;
+    while let Some(start) = rest.find("'{") {
+        let Some(len) = rest[start..].find("}'") else { break };
+        let literal = &rest[start + 2..start + len];
+        out.push_str(&rest[..start]);
+        if literal.len() > 40 {
+            out.push_str(&format!("'{{…{} elements}}'", literal.split(',').count()));
+        } else {
+            out.push_str(&rest[start..start + len + 2]);
+        }
+        rest = &rest[start + len + 2..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Sequential scans of the outbox, and sorts of more rows than one batch: what must not happen as
+/// the backlog grows.
+fn full_scans(plans: &BTreeMap<String, String>, batch: i64) -> Vec<String> {
+    let mut found = Vec::new();
+    for (name, plan) in plans {
+        for line in plan.lines() {
+            let node = line.trim_start().trim_start_matches("->  ");
+            let rows = line
+                .split("rows=")
+                .nth(2)
+                .or_else(|| line.split("rows=").nth(1))
+                .and_then(|r| r.split_whitespace().next())
+                .and_then(|r| r.parse::<i64>().ok())
+                .unwrap_or(0);
+            if node.starts_with("Seq Scan on outbox") || node.starts_with("Seq Scan on approved_action") {
+                found.push(format!("{name}: {node}"));
+            } else if node.starts_with("Sort") && rows > batch {
+                found.push(format!("{name}: sort of {rows} rows"));
+            }
+        }
+    }
+    found
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_array_literals_are_elided() {
+        let ids: Vec<String> = (1..=100).map(|i| i.to_string()).collect();
+        let line = format!("Index Cond: (id = ANY ('{{{}}}'::bigint[]))", ids.join(","));
+        assert_eq!(elide_arrays(&line), "Index Cond: (id = ANY ('{…100 elements}'::bigint[]))");
+        assert_eq!(elide_arrays("x = ANY ('{}'::text[])"), "x = ANY ('{}'::text[])");
+    }
+
+    #[test]
+    fn flags_table_scans_and_big_sorts_only() {
+        let plan = "Limit (actual time=0.1..0.2 rows=1000 loops=1)\n  ->  Index Scan using outbox_commit_order on outbox o (actual time=0.1..0.2 rows=1000 loops=1)\n  ->  Sort (actual time=1..2 rows=50 loops=1)";
+        let plans = BTreeMap::from([("a".to_owned(), plan.to_owned())]);
+        assert!(full_scans(&plans, 1000).is_empty());
+        let bad = "Sort (actual time=1..2 rows=100000 loops=1)\n  ->  Seq Scan on outbox o (actual time=0.1..9 rows=100000 loops=1)";
+        let plans = BTreeMap::from([("b".to_owned(), bad.to_owned())]);
+        assert_eq!(full_scans(&plans, 1000).len(), 2);
+    }
+}

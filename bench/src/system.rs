@@ -1,0 +1,339 @@
+//! The product under measurement: the real `handoff-relay` and `handoff-consumer` release binaries
+//! as separate processes (so each has its own RSS and CPU counters), with their default settings.
+//!
+//! * relay drain: `relays` processes, one worker each, drain a backlog of approved actions that
+//!   commits at once while they idle in LISTEN; the clock runs from that commit until the stream
+//!   holds every message (then the bench waits until every row is marked published).
+//! * consumer drain: `replicas` processes drain a stream already holding the actions; the clock
+//!   runs from the first delivery until the durable has nothing pending or unacknowledged.
+//! * end to end: relays and replicas running, a backlog recorded at once (the maximum), then steady
+//!   offered loads; latency per action from the producer's commit to the consumer's commit, both
+//!   read from Postgres commit timestamps (`track_commit_timestamp`, one clock).
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use handoff_shared::Subjects;
+
+use crate::ceilings::FilledStream;
+use crate::measure::{Meter, Sample};
+use crate::workload;
+use crate::world::{Database, Service, World, wait_for_listeners};
+
+/// How often progress is polled (NATS stream/consumer info: no database load).
+const POLL: Duration = Duration::from_millis(10);
+/// Longest a single drain may take before the run is declared stuck.
+const STUCK: Duration = Duration::from_secs(600);
+
+/// Counters a relay drain reads from the outbox afterwards.
+#[derive(Debug, Clone, Default)]
+pub struct RelayChecks {
+    pub stream_messages: u64,
+    pub published: i64,
+    pub duplicates: i64,
+    pub blocked: i64,
+    /// Updates of outbox rows that were HOT (no index entries), of all updates.
+    pub hot_updates: i64,
+    pub updates: i64,
+}
+
+/// `relays` relay processes with `workers` each drain a backlog of `n` actions.
+pub async fn relay_drain(world: &mut World, n: i64, relays: usize, workers: usize) -> Result<(Sample, RelayChecks)> {
+    let db = world.database("bench_relay", 4).await?;
+    handoff_relay::MIGRATOR.run(&db.pool).await?;
+    let stream = world.unique("RELAY");
+    let subjects = Subjects::new(stream.to_lowercase())?;
+    let mut env = world.relay_env(&db, &stream, &subjects);
+    env.push(("HANDOFF_RELAY_WORKERS".into(), workers.to_string()));
+    let mut services = Vec::new();
+    for _ in 0..relays {
+        services.push(Service::spawn("relay", "handoff-relay", &env)?);
+    }
+    wait_for_listeners(&db, "handoff-relay", relays as i64).await?;
+
+    // The backlog commits at once: the clock starts at the commit, which notifies the relays.
+    let batch = "r";
+    let mut tx = db.pool.begin().await?;
+    workload::record_actions(&mut *tx, batch, 1, n).await?;
+    let meter = Meter::start(world, &services);
+    tx.commit().await?;
+    let started = Instant::now();
+    loop {
+        if world.stream_messages(&stream).await? >= n as u64 {
+            break;
+        }
+        if started.elapsed() > STUCK {
+            bail!("relays stuck: {} of {n} messages after {STUCK:?}", world.stream_messages(&stream).await?);
+        }
+        for s in &mut services {
+            s.ensure_running()?;
+        }
+        tokio::time::sleep(POLL).await;
+    }
+    let sample = meter.finish(world, &services, n as u64);
+    let checks = relay_checks(world, &db, &stream, n).await?;
+    for s in services {
+        s.stop().await?;
+    }
+    world.drop_stream(&stream).await;
+    world.drop_database(db).await?;
+    Ok((sample, checks))
+}
+
+async fn relay_checks(world: &World, db: &Database, stream: &str, n: i64) -> Result<RelayChecks> {
+    // Marks land just after the last PubAck: wait for them.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let (published, duplicates, blocked) = loop {
+        let counts: (i64, i64, i64) = sqlx::query_as(
+            "SELECT count(*) FILTER (WHERE state = 'published'), count(*) FILTER (WHERE duplicate),
+                    count(*) FILTER (WHERE state = 'blocked') FROM handoff.outbox",
+        )
+        .fetch_one(&db.pool)
+        .await?;
+        if counts.0 + counts.2 >= n || Instant::now() > deadline {
+            break counts;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    // Statistics are flushed by each backend at most once a second.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let (hot_updates, updates): (i64, i64) = sqlx::query_as(
+        "SELECT n_tup_hot_upd, n_tup_upd FROM pg_stat_user_tables WHERE schemaname = 'handoff' AND relname = 'outbox'",
+    )
+    .fetch_one(&db.pool)
+    .await?;
+    let stream_messages = world.stream_messages(stream).await?;
+    ensure!(published == n, "{published} of {n} rows marked published ({blocked} blocked)");
+    Ok(RelayChecks { stream_messages, published, duplicates, blocked, hot_updates, updates })
+}
+
+/// Counters a consumer drain reads afterwards.
+#[derive(Debug, Clone, Default)]
+pub struct ConsumerChecks {
+    pub tasks: i64,
+    pub distinct_keys: i64,
+    pub dead_letters: i64,
+    pub redelivered: u64,
+}
+
+/// `replicas` consumer processes drain `source` (already full) on a new durable.
+pub async fn consumer_drain(
+    world: &mut World,
+    source: &FilledStream,
+    replicas: usize,
+) -> Result<(Sample, ConsumerChecks)> {
+    let db = world.database("bench_consumer", 4).await?;
+    handoff_consumer::MIGRATOR.run(&db.pool).await?;
+    let durable = world.unique("crm");
+    let env = world.consumer_env(&db, &source.name, &source.subjects, &durable);
+    let mut services = Vec::new();
+    for _ in 0..replicas {
+        services.push(Service::spawn("consumer", "handoff-consumer", &env)?);
+    }
+    // The clock starts at the first delivery: process start-up is not throughput.
+    let started = Instant::now();
+    let mut meter = None;
+    let total = source.messages;
+    loop {
+        if started.elapsed() > STUCK {
+            bail!("consumers stuck after {STUCK:?}");
+        }
+        for s in &mut services {
+            s.ensure_running()?;
+        }
+        let Ok(info) = world.consumer_info(&durable, &source.name).await else {
+            // Not created yet: the first replica creates the durable when it starts.
+            tokio::time::sleep(POLL).await;
+            continue;
+        };
+        if meter.is_none() && info.delivered.stream_sequence > 0 {
+            meter = Some(Meter::start(world, &services));
+        }
+        if info.ack_floor.stream_sequence >= total && info.num_pending == 0 && info.num_ack_pending == 0 {
+            break;
+        }
+        tokio::time::sleep(POLL).await;
+    }
+    let meter = meter.context("the consumers acked everything before the first poll saw a delivery")?;
+    let sample = meter.finish(world, &services, total);
+    let counts: (i64, i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM handoff_consumer.crm_task),
+                (SELECT count(DISTINCT operation_key) FROM handoff_consumer.crm_task),
+                (SELECT count(*) FROM handoff_consumer.dead_letter)",
+    )
+    .fetch_one(&db.pool)
+    .await?;
+    let info = world.consumer_info(&durable, &source.name).await?;
+    for s in services {
+        s.stop().await?;
+    }
+    let _ = world.js.delete_consumer_from_stream(&durable, &source.name).await;
+    world.drop_database(db).await?;
+    let checks = ConsumerChecks {
+        tasks: counts.0,
+        distinct_keys: counts.1,
+        dead_letters: counts.2,
+        redelivered: info.num_redelivered as u64,
+    };
+    ensure!(checks.tasks == total as i64, "{} tasks for {total} messages", checks.tasks);
+    Ok((sample, checks))
+}
+
+/// A running pipeline: producer and consumer databases, relays and replicas.
+#[derive(Debug)]
+pub struct Pipeline {
+    pub producer: Database,
+    pub consumer: Database,
+    pub stream: String,
+    pub durable: String,
+    pub services: Vec<Service>,
+    /// Actions recorded so far (the next batch label is numbered after them).
+    pub phases: usize,
+}
+
+impl Pipeline {
+    /// Starts `relays` relay processes (default workers) and `replicas` consumers on fresh
+    /// databases and a fresh stream; `extra` adds environment (e.g. a short retention).
+    pub async fn start(
+        world: &mut World,
+        relays: usize,
+        replicas: usize,
+        extra: &[(&'static str, String)],
+    ) -> Result<Self> {
+        let producer = world.database("bench_e2e_producer", 8).await?;
+        let consumer = world.database("bench_e2e_consumer", 8).await?;
+        handoff_relay::MIGRATOR.run(&producer.pool).await?;
+        handoff_consumer::MIGRATOR.run(&consumer.pool).await?;
+        let stream = world.unique("E2E");
+        let subjects = Subjects::new(stream.to_lowercase())?;
+        let durable = world.unique("crm");
+        let mut services = Vec::new();
+        let mut relay_env = world.relay_env(&producer, &stream, &subjects);
+        relay_env.extend(extra.iter().map(|(k, v)| ((*k).to_owned(), v.clone())));
+        for _ in 0..relays {
+            services.push(Service::spawn("relay", "handoff-relay", &relay_env)?);
+        }
+        wait_for_listeners(&producer, "handoff-relay", relays as i64).await?;
+        let consumer_env = world.consumer_env(&consumer, &stream, &subjects, &durable);
+        for _ in 0..replicas {
+            services.push(Service::spawn("consumer", "handoff-consumer", &consumer_env)?);
+        }
+        let pipeline = Self { producer, consumer, stream, durable, services, phases: 0 };
+        // Replicas are up when the durable has their pull requests waiting.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if world.consumer_info(&pipeline.durable, &pipeline.stream).await.is_ok_and(|i| i.num_waiting >= replicas) {
+                break;
+            }
+            if Instant::now() > deadline {
+                bail!("consumers did not start pulling within 60 s");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Ok(pipeline)
+    }
+
+    /// Waits until the stream holds `total` messages and the durable has acked them all.
+    pub async fn wait_until_delivered(&mut self, world: &World, total: u64) -> Result<()> {
+        let started = Instant::now();
+        loop {
+            for s in &mut self.services {
+                s.ensure_running()?;
+            }
+            if world.stream_messages(&self.stream).await? >= total {
+                let info = world.consumer_info(&self.durable, &self.stream).await?;
+                if info.num_pending == 0 && info.num_ack_pending == 0 && info.ack_floor.stream_sequence >= total {
+                    return Ok(());
+                }
+            }
+            if started.elapsed() > STUCK {
+                bail!("pipeline stuck before {total} actions were delivered");
+            }
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
+    /// A new batch label for the next phase's keys.
+    pub fn next_batch(&mut self) -> String {
+        self.phases += 1;
+        format!("p{}", self.phases)
+    }
+
+    /// Latency of every action of `batch`: producer commit to consumer commit, milliseconds, and
+    /// the span from the first producer commit to the last consumer commit, seconds.
+    pub async fn latencies(&self, batch: &str) -> Result<(Vec<f64>, f64)> {
+        let pattern = format!("{}{batch}-%", workload::KEY_PREFIX);
+        let recorded: Vec<(String, Option<f64>)> = sqlx::query_as(
+            "SELECT operation_key, extract(epoch FROM pg_xact_commit_timestamp(xmin))::float8
+               FROM handoff.approved_action WHERE operation_key LIKE $1",
+        )
+        .bind(&pattern)
+        .fetch_all(&self.producer.pool)
+        .await?;
+        let created: HashMap<String, Option<f64>> = sqlx::query_as(
+            "SELECT operation_key, extract(epoch FROM pg_xact_commit_timestamp(xmin))::float8
+               FROM handoff_consumer.crm_task WHERE operation_key LIKE $1",
+        )
+        .bind(&pattern)
+        .fetch_all(&self.consumer.pool)
+        .await?
+        .into_iter()
+        .collect();
+        let mut millis = Vec::with_capacity(recorded.len());
+        let (mut first, mut last) = (f64::INFINITY, f64::NEG_INFINITY);
+        for (key, at) in recorded {
+            let at = at.context("no commit timestamp: is track_commit_timestamp on?")?;
+            let done = created.get(&key).copied().flatten().with_context(|| format!("no task for {key}"))?;
+            millis.push((done - at) * 1e3);
+            first = first.min(at);
+            last = last.max(done);
+        }
+        Ok((millis, last - first))
+    }
+
+    /// Stops every process (SIGTERM) and drops the databases and stream.
+    pub async fn stop(self, world: &World) -> Result<()> {
+        for s in self.services {
+            s.stop().await?;
+        }
+        world.drop_stream(&self.stream).await;
+        world.drop_database(self.producer).await?;
+        world.drop_database(self.consumer).await?;
+        Ok(())
+    }
+}
+
+/// The pipeline's maximum: `n` actions recorded at once, timed until the last task commits.
+pub async fn e2e_backlog(world: &World, pipeline: &mut Pipeline, n: i64, total_before: u64) -> Result<Sample> {
+    let batch = pipeline.next_batch();
+    let mut tx = pipeline.producer.pool.begin().await?;
+    workload::record_actions(&mut *tx, &batch, 1, n).await?;
+    let meter = Meter::start(world, &pipeline.services);
+    tx.commit().await?;
+    pipeline.wait_until_delivered(world, total_before + n as u64).await?;
+    let (_, span) = pipeline.latencies(&batch).await?;
+    let mut sample = meter.finish(world, &pipeline.services, n as u64);
+    // From the backlog's commit to the last task's commit (not to when the poll noticed it).
+    sample.elapsed = Duration::from_secs_f64(span);
+    Ok(sample)
+}
+
+/// One steady offered load: `rate` actions/s for `duration`; returns the sample (throughput from
+/// the first commit to the last task) and every action's latency in ms.
+pub async fn e2e_load(
+    world: &World,
+    pipeline: &mut Pipeline,
+    rate: f64,
+    duration: Duration,
+    total_before: u64,
+) -> Result<(Sample, Vec<f64>)> {
+    let batch = pipeline.next_batch();
+    let meter = Meter::start(world, &pipeline.services);
+    let recorded = workload::offer_load(&pipeline.producer.pool, &batch, rate, duration).await?;
+    pipeline.wait_until_delivered(world, total_before + recorded as u64).await?;
+    let (millis, span) = pipeline.latencies(&batch).await?;
+    let mut sample = meter.finish(world, &pipeline.services, recorded as u64);
+    sample.elapsed = Duration::from_secs_f64(span);
+    Ok((sample, millis))
+}
