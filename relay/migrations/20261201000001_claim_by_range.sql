@@ -20,7 +20,7 @@
 -- while an older write transaction is still open waits for that transaction to end, or for the
 -- relay's held-back rescue (HANDOFF_RELAY_HELD_BACK_SECS), which hands it to the per-row path.
 --
--- Retention: from this version the relay deletes published rows (and their approved actions) once
+-- Retention: from this version the relay deletes published outbox rows (never approved actions) once
 -- they are older than HANDOFF_RELAY_RETENTION_SECS; blocked and pending rows are never deleted.
 
 -- Existing rows get transaction id 0 (a constant default: no table rewrite); new rows get the id of

@@ -67,7 +67,7 @@ pub struct RelayConfig {
     /// claimed on its own instead of in commit order.
     #[arg(long, env = "HANDOFF_RELAY_HELD_BACK_SECS", default_value_t = 1.0)]
     pub held_back_secs: f64,
-    /// Delete published rows (and their approved actions) this many seconds after publishing
+    /// Delete published outbox rows (approved actions are kept) this many seconds after publishing
     /// (0 = keep forever). Keep them at least as long as the broker keeps messages, to re-publish a
     /// range if it loses acknowledged ones.
     #[arg(long, env = "HANDOFF_RELAY_RETENTION_SECS", default_value_t = 7 * 24 * 3600)]

@@ -259,8 +259,11 @@ pub const CLAIM_NEW_RANGE: &str = r#"
     ), horizon AS MATERIALIZED (
         SELECT pg_snapshot_xmin(pg_current_snapshot()) AS xmin
     ), priority AS MATERIALIZED (
+        -- `ORDER BY .. LIMIT 1` keeps the retry check on its (small) partial index: as a bare
+        -- EXISTS, the planner may expect an early hit in a sequential scan of the whole outbox.
         SELECT $4 AND EXISTS (SELECT 1 FROM handoff.relay_batch WHERE lease_until <= now()) AS expired_range,
-               $4 AND EXISTS (SELECT 1 FROM handoff.outbox WHERE retrying AND next_attempt_at <= now()) AS due_retries
+               $4 AND EXISTS (SELECT 1 FROM handoff.outbox WHERE retrying AND next_attempt_at <= now()
+                               ORDER BY next_attempt_at LIMIT 1) AS due_retries
     ), next AS MATERIALIZED (
         SELECT o.transaction_id, o.id, o.operation_key, o.created_at, o.state, o.retrying
           FROM handoff.outbox AS o
@@ -603,8 +606,6 @@ pub const DELETE_EXPIRED: &str = r#"
            FOR UPDATE OF o SKIP LOCKED
     ), deleted AS (
         DELETE FROM handoff.outbox AS o USING doomed AS d WHERE o.id = d.id RETURNING o.operation_key
-    ), approvals AS (
-        DELETE FROM handoff.approved_action AS a USING deleted AS d WHERE a.operation_key = d.operation_key
     ), last AS (
         SELECT transaction_id::text AS transaction_id, id FROM chunk ORDER BY transaction_id DESC, id DESC LIMIT 1
     )
@@ -616,7 +617,10 @@ pub const DELETE_EXPIRED: &str = r#"
            (SELECT transaction_id FROM last) AS last_transaction_id,
            (SELECT id FROM last) AS last_id"#;
 
-/// Deletes published rows (and their approved actions) published more than `retention` ago among
+/// The approved action stays: it is the approval record, and it keeps "same key + different
+/// payload is a conflict" (and "same key + same payload adds nothing") true at the producer for
+/// ever, not only during the retention.
+/// Deletes published outbox rows published more than `retention` ago among
 /// the next `limit` rows after `after` in commit order, in one short statement.
 ///
 /// Rows are walked in commit order, which is roughly age order: the walk stops at the first chunk

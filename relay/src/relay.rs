@@ -74,7 +74,7 @@ pub struct RelaySettings {
     /// How long a committed row may wait behind an older open write transaction before it is
     /// claimed on its own (the per-row path) instead of in commit order.
     pub held_back: Duration,
-    /// Published rows (and their approved actions) are deleted this long after publishing; `None`
+    /// Published outbox rows are deleted this long after publishing (approved actions are kept); `None`
     /// keeps them forever. Long enough to re-publish a range if the broker loses acknowledged
     /// messages: the rows hold their stream sequence.
     pub retention: Option<Duration>,

@@ -63,7 +63,7 @@ async fn a_row_held_back_too_long_is_rescued_to_the_per_row_path_and_not_sent_ag
 }
 
 #[tokio::test]
-async fn retention_deletes_rows_published_longer_ago_with_their_approvals_and_keeps_the_rest() {
+async fn retention_deletes_outbox_rows_published_longer_ago_and_keeps_approvals_and_the_rest() {
     let env = TestEnv::start().await.unwrap();
     let settings = RelaySettings { retention: Some(Duration::from_secs(3600)), ..env.relay_settings() };
     let relay = env.relay(settings).await.unwrap();
@@ -83,8 +83,12 @@ async fn retention_deletes_rows_published_longer_ago_with_their_approvals_and_ke
     assert_eq!(relay.apply_retention().await.unwrap(), 2);
     let outbox = env.outbox().await.unwrap();
     assert_eq!((outbox.published, outbox.pending), (1, 1));
-    assert_eq!(env.approvals().await.unwrap(), 2);
+    assert_eq!(env.approvals().await.unwrap(), 4, "approvals are the business record and stay");
     assert_eq!(relay.apply_retention().await.unwrap(), 0, "nothing else is old enough");
+    // Re-approving a retained-away action still adds nothing, and a changed one is still a conflict.
+    assert_eq!(env.approve("case-1", SEED_TITLE).await.unwrap(), handoff_relay::Recorded::AlreadyRecorded);
+    assert!(matches!(env.approve("case-1", "changed").await, Err(handoff_relay::RecordError::Conflict(_))));
+    assert_eq!(env.outbox().await.unwrap().pending, 1);
     // The pending row is unaffected and still goes out.
     assert_eq!(relay.publish_batch().await.unwrap().published, 1);
 }
