@@ -9,6 +9,26 @@ use handoff_tests::{SEED_TITLE, TestEnv, eventually};
 
 const WAIT: Duration = Duration::from_secs(5);
 
+/// Re-publishes the stream's first message, same id and bytes, until the broker stores it again
+/// instead of answering "duplicate" (the test's short duplicate window has passed): a condition
+/// awaited, not a sleep.
+async fn republish_first_message_until_stored(env: &TestEnv) {
+    let first = env.js.get_stream(&env.stream).await.unwrap().get_raw_message(1).await.unwrap();
+    eventually("the broker to forget the message id", Duration::from_secs(30), || async {
+        let ack = env
+            .js
+            .send_publish(
+                first.subject.clone(),
+                PublishMessage::build().payload(first.payload.clone()).headers(first.headers.clone()),
+            )
+            .await?
+            .await?;
+        Ok((!ack.duplicate).then_some(()))
+    })
+    .await
+    .unwrap();
+}
+
 #[tokio::test]
 async fn a_consumer_dying_after_its_commit_and_before_its_ack_creates_no_second_task() {
     let env = TestEnv::start().await.unwrap();
@@ -98,20 +118,7 @@ async fn a_republish_after_the_dedup_window_expired_is_stopped_by_the_consumers_
     assert_eq!(env.tasks().await.unwrap(), 1);
 
     // Re-publish the very same message until the broker no longer recognizes its id.
-    let first = env.js.get_stream(&env.stream).await.unwrap().get_raw_message(1).await.unwrap();
-    eventually("the broker to forget the message id", Duration::from_secs(30), || async {
-        let ack = env
-            .js
-            .send_publish(
-                first.subject.clone(),
-                PublishMessage::build().payload(first.payload.clone()).headers(first.headers.clone()),
-            )
-            .await?
-            .await?;
-        Ok((!ack.duplicate).then_some(()))
-    })
-    .await
-    .unwrap();
+    republish_first_message_until_stored(&env).await;
     assert_eq!(env.stream_messages().await.unwrap(), 2, "the broker stored it twice");
 
     let handled = consumer.fetch_and_handle(WAIT).await.unwrap();
@@ -242,20 +249,7 @@ async fn two_copies_of_one_key_in_the_same_batch_make_one_task() {
     env.approve("case-104", SEED_TITLE).await.unwrap();
     relay.publish_batch().await.unwrap();
     // A second stored copy of the same message, before any consumer has run.
-    let first = env.js.get_stream(&env.stream).await.unwrap().get_raw_message(1).await.unwrap();
-    eventually("a second stored copy", Duration::from_secs(30), || async {
-        let ack = env
-            .js
-            .send_publish(
-                first.subject.clone(),
-                PublishMessage::build().payload(first.payload.clone()).headers(first.headers.clone()),
-            )
-            .await?
-            .await?;
-        Ok((!ack.duplicate).then_some(()))
-    })
-    .await
-    .unwrap();
+    republish_first_message_until_stored(&env).await;
 
     let consumer = env.consumer(env.consumer_settings()).await.unwrap();
     let handled = consumer.fetch_and_handle(WAIT).await.unwrap();
