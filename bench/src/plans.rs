@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use anyhow::Result;
-use handoff_relay::outbox::{CLAIM_NEW_RANGE, CLAIM_RETRY_ROWS, DELETE_EXPIRED, ROWS_IN_RANGE, SETTLE};
+use handoff_relay::outbox::{CLAIM_NEW_RANGE, CLAIM_RETRY_ROWS, DELETE_EXPIRED, ROWS_IN_RANGE, SETTLE_PUBLISHED_RANGE};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgPool, Row};
 
@@ -77,22 +77,14 @@ async fn explain_all(pool: &PgPool, batch: i64) -> Result<BTreeMap<String, Strin
     let ids: Vec<i64> = claimed.iter().map(|r| r.get("id")).collect();
     let attempts = vec![1_i32; ids.len()];
     let duplicates = vec![false; ids.len()];
-    let none: Vec<String> = Vec::new();
     plans.insert(
         "settle".into(),
-        explain(&mut tx, SETTLE, |q| {
+        explain(&mut tx, SETTLE_PUBLISHED_RANGE, |q| {
             q.bind("BENCH")
                 .bind(ids.clone())
                 .bind(ids.clone())
                 .bind(duplicates)
                 .bind(attempts)
-                .bind(none.clone())
-                .bind(none.clone())
-                .bind(Vec::<i64>::new())
-                .bind(none.clone())
-                .bind(Vec::<f64>::new())
-                .bind(none.clone())
-                .bind(Vec::<i32>::new())
                 .bind("bench")
                 .bind(batch_id)
         })

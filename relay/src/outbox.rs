@@ -259,11 +259,12 @@ pub const CLAIM_NEW_RANGE: &str = r#"
     ), horizon AS MATERIALIZED (
         SELECT pg_snapshot_xmin(pg_current_snapshot()) AS xmin
     ), priority AS MATERIALIZED (
-        -- `ORDER BY .. LIMIT 1` keeps the retry check on its (small) partial index: as a bare
-        -- EXISTS, the planner may expect an early hit in a sequential scan of the whole outbox.
+        -- The retry check is a scalar subquery in index order, which keeps it on its (small)
+        -- partial index. As an EXISTS the planner drops ORDER BY and LIMIT and, expecting an early
+        -- hit, may scan the whole outbox sequentially (seen: 40 ms per claim on 40k rows).
         SELECT $4 AND EXISTS (SELECT 1 FROM handoff.relay_batch WHERE lease_until <= now()) AS expired_range,
-               $4 AND EXISTS (SELECT 1 FROM handoff.outbox WHERE retrying AND next_attempt_at <= now()
-                               ORDER BY next_attempt_at LIMIT 1) AS due_retries
+               $4 AND (SELECT next_attempt_at FROM handoff.outbox WHERE retrying AND next_attempt_at <= now()
+                        ORDER BY next_attempt_at LIMIT 1) IS NOT NULL AS due_retries
     ), next AS MATERIALIZED (
         SELECT o.transaction_id, o.id, o.operation_key, o.created_at, o.state, o.retrying
           FROM handoff.outbox AS o
@@ -506,6 +507,23 @@ pub const SETTLE: &str = r#"
     )
     SELECT (SELECT count(*) FROM published) AS published, (SELECT count(*) FROM failed) AS failed"#;
 
+/// The happy path of [`SETTLE`]: a range whose rows were all published, with no hash to store.
+/// The same published-row update, without the parts that have nothing to do: a statement a
+/// fraction of the size is planned in a fraction of the time, and every settle is planned afresh
+/// (`force_custom_plan`), which at low load costs more than the update itself.
+pub const SETTLE_PUBLISHED_RANGE: &str = r#"
+    WITH published AS (
+        UPDATE handoff.outbox AS o
+           SET state = 'published', attempts = u.attempts, stream = $1, stream_sequence = u.seq,
+               duplicate = u.dup, published_at = now(), updated_at = now()
+          FROM UNNEST($2::bigint[], $3::bigint[], $4::bool[], $5::int[]) AS u(id, seq, dup, attempts)
+         WHERE o.id = u.id AND o.id = ANY($2::bigint[]) AND o.state = 'pending'
+     RETURNING o.id
+    ), released AS (
+        DELETE FROM handoff.relay_batch WHERE id = $7 AND lease_owner = $6
+    )
+    SELECT (SELECT count(*) FROM published) AS published, 0::bigint AS failed"#;
+
 /// Records a claim's outcome in one statement: published rows with their PubAck (and hashes the
 /// relay computed), failed rows rescheduled on the per-row path or blocked, and the range released.
 ///
@@ -529,6 +547,18 @@ pub async fn settle(
     };
     let (hash_keys, hashes): (Vec<&str>, Vec<&str>) =
         published.iter().filter_map(|r| r.computed_hash.as_deref().map(|h| (r.operation_key.as_str(), h))).unzip();
+    if let (Some(batch_id), true, true) = (batch_id, failed.is_empty(), hash_keys.is_empty()) {
+        return sqlx::query_as(SETTLE_PUBLISHED_RANGE)
+            .bind(stream)
+            .bind(published.iter().map(|r| r.id).collect::<Vec<_>>())
+            .bind(published.iter().map(|r| r.sequence as i64).collect::<Vec<_>>())
+            .bind(published.iter().map(|r| r.duplicate).collect::<Vec<_>>())
+            .bind(published.iter().map(|r| r.attempts).collect::<Vec<_>>())
+            .bind(owner)
+            .bind(batch_id)
+            .fetch_one(pool)
+            .await;
+    }
     let states: Vec<&str> = failed
         .iter()
         .map(|r| match r.outcome {
