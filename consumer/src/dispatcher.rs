@@ -15,12 +15,13 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use futures::future::join_all;
+use futures::{FutureExt, StreamExt, stream::FuturesUnordered};
 use handoff_shared::Backoff;
 use sqlx::PgPool;
 use sqlx::postgres::PgListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::ledger::{self, ClaimedOperation, Decision, Event, state};
+use crate::ledger::{self, ClaimedOperation, Decision, Event, Recorded, state};
 use crate::remote::{Capability, CreateOutcome, HttpCrm, Readback, RemoteTask};
 
 /// The channel new ledger rows signal on.
@@ -94,18 +95,25 @@ impl Dispatcher {
         Self { pool, crm, settings, owner, claims: Default::default() }
     }
 
-    /// Claims due rows and works them concurrently: each makes one CRM call (or none) and records
-    /// its decision in its own short transaction.
+    /// The lease token of the next claim.
+    fn next_claim(&self) -> String {
+        format!("{}:{}", self.owner, self.claims.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+    }
+
+    /// Claims due rows, works them concurrently (one CRM call or none each) and records every
+    /// decision in one statement. One step of [`Dispatcher::run_until_stopped`], for tests and
+    /// tools that drive the dispatcher by hand.
     pub async fn dispatch_due(&self) -> Result<Vec<Dispatched>, sqlx::Error> {
-        let claim = format!("{}:{}", self.owner, self.claims.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+        let claim = self.next_claim();
         let claimed =
             ledger::claim_due(&self.pool, self.crm.account(), &claim, self.settings.in_flight, self.settings.lease)
                 .await?;
-        let results = join_all(claimed.into_iter().map(|op| self.work(&claim, op))).await;
-        Ok(results.into_iter().flatten().collect())
+        let outcomes = join_all(claimed.into_iter().map(|op| self.call(&claim, op))).await;
+        Ok(self.record(outcomes).await)
     }
 
-    async fn work(&self, claim: &str, op: ClaimedOperation) -> Option<Dispatched> {
+    /// Makes the call a claimed row needs and decides; records nothing.
+    async fn call(&self, claim: &str, op: ClaimedOperation) -> Outcome {
         let now = op.db_now;
         let (call, decision, mut events) = match op.prior_state.as_str() {
             state::RECEIVED | state::PROVED_NOT_EXECUTED => {
@@ -140,62 +148,148 @@ impl Dispatcher {
             );
         }
         events.push(("decision", None, decision.note.clone()));
-        let events: Vec<Event<'_>> =
-            events.iter().map(|(kind, attempt, evidence)| Event { kind, attempt: *attempt, evidence }).collect();
-        match ledger::record(&self.pool, claim, &op.operation_key, &decision, &events).await {
-            Ok(true) => {}
-            Ok(false) => {
-                tracing::warn!(operation_key = %op.operation_key, call, note = %decision.note,
-                    "lease lost before recording: another replica owns the key; evidence kept, decision not applied");
-                return None;
-            }
+        Outcome { claim: claim.to_owned(), operation_key: op.operation_key, call, decision, events }
+    }
+
+    /// Records the decisions of finished calls in one statement, and logs each.
+    async fn record(&self, outcomes: Vec<Outcome>) -> Vec<Dispatched> {
+        let events: Vec<Vec<Event<'_>>> = outcomes
+            .iter()
+            .map(|o| {
+                o.events.iter().map(|(kind, attempt, evidence)| Event { kind, attempt: *attempt, evidence }).collect()
+            })
+            .collect();
+        let items: Vec<Recorded<'_>> = outcomes
+            .iter()
+            .zip(&events)
+            .map(|(o, events)| Recorded {
+                owner: &o.claim,
+                operation_key: &o.operation_key,
+                decision: &o.decision,
+                events,
+            })
+            .collect();
+        let applied = match ledger::record_many(&self.pool, &items).await {
+            Ok(applied) => applied,
             Err(error) => {
-                // The lease will expire and the next claimer reads back, so nothing is retried
-                // blindly; the outcome is logged so the evidence survives the failed write.
-                tracing::error!(operation_key = %op.operation_key, call, note = %decision.note, %error,
-                    "cannot record the decision; the key will be read back after its lease");
-                return None;
+                // The leases will expire and the next claimer reads back, so nothing is retried
+                // blindly; each outcome is logged so the evidence survives the failed write.
+                for o in &outcomes {
+                    tracing::error!(operation_key = %o.operation_key, call = o.call, note = %o.decision.note, %error,
+                        "cannot record the decision; the key will be read back after its lease");
+                }
+                return Vec::new();
             }
+        };
+        drop(items);
+        drop(events);
+        let mut done = Vec::with_capacity(outcomes.len());
+        for (o, applied) in outcomes.into_iter().zip(applied) {
+            if !applied {
+                tracing::warn!(operation_key = %o.operation_key, call = o.call, note = %o.decision.note,
+                    "lease lost before recording: another replica owns the key; evidence kept, decision not applied");
+                continue;
+            }
+            if o.decision.state == state::REVIEW {
+                tracing::warn!(operation_key = %o.operation_key, call = o.call, note = %o.decision.note, "held for review");
+            } else {
+                tracing::info!(operation_key = %o.operation_key, call = o.call, state = o.decision.state,
+                    note = %o.decision.note, "dispatched");
+            }
+            done.push(Dispatched {
+                operation_key: o.operation_key,
+                call: o.call,
+                state: o.decision.state,
+                note: o.decision.note,
+            });
         }
-        let level_review = decision.state == state::REVIEW;
-        if level_review {
-            tracing::warn!(operation_key = %op.operation_key, call, note = %decision.note, "held for review");
-        } else {
-            tracing::info!(operation_key = %op.operation_key, call, state = decision.state, note = %decision.note, "dispatched");
-        }
-        Some(Dispatched { operation_key: op.operation_key, call, state: decision.state, note: decision.note })
+        done
     }
 
     /// Dispatches until `token` is cancelled; calls in flight finish and are recorded first.
+    ///
+    /// A pipeline, not waves: up to `in_flight` calls are in flight at all times. When calls end,
+    /// those that have ended are recorded together (one statement) and their room is claimed
+    /// again at once, so one slow call never holds up the others and the database sees a few
+    /// statements per batch of calls rather than a transaction per call.
+    ///
+    /// It claims when rows may be due: after a notification (new ledger rows), a poll tick
+    /// (retries and readbacks fall due by time), a claim that filled all the room it asked for,
+    /// or a recorded decision that leaves a row undecided.
     pub async fn run_until_stopped(self, token: CancellationToken) -> anyhow::Result<()> {
         let mut listener = PgListener::connect_with(&self.pool).await?;
         listener.listen(NOTIFY_CHANNEL).await?;
-        while !token.is_cancelled() {
-            let busy = match self.dispatch_due().await {
-                Ok(done) => done.len() as i64 >= self.settings.in_flight,
-                Err(error) => {
-                    tracing::error!(%error, "dispatch failed; retrying");
-                    false
+        let mut poll = tokio::time::interval(self.settings.poll_interval);
+        poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let this = &self;
+        let mut calls = FuturesUnordered::new();
+        let mut maybe_due = true;
+        loop {
+            let room = self.settings.in_flight - calls.len() as i64;
+            if maybe_due && room > 0 && !token.is_cancelled() {
+                let claim = self.next_claim();
+                match ledger::claim_due(&self.pool, self.crm.account(), &claim, room, self.settings.lease).await {
+                    Ok(claimed) => {
+                        maybe_due = claimed.len() as i64 == room;
+                        for op in claimed {
+                            let claim = claim.clone();
+                            calls.push(async move { this.call(&claim, op).await });
+                        }
+                    }
+                    Err(error) => {
+                        tracing::error!(%error, "claiming due rows failed; retrying at the next poll");
+                        maybe_due = false;
+                    }
                 }
-            };
-            if busy {
+            }
+            if calls.is_empty() {
+                tokio::select! {
+                    // Stop requested while idle.
+                    _ = token.cancelled() => break,
+                    // New ledger rows: dispatch now.
+                    notification = listener.recv() => {
+                        if let Err(error) = notification {
+                            tracing::warn!(%error, "dispatch listener failed; polling continues");
+                        }
+                    }
+                    _ = poll.tick() => {}
+                }
+                maybe_due = true;
                 continue;
             }
             tokio::select! {
-                // Stop requested while idle.
-                _ = token.cancelled() => break,
-                // New ledger rows: dispatch now.
-                notification = listener.recv() => {
+                Some(first) = calls.next() => {
+                    // Everything else that has ended by now goes into the same statement.
+                    let mut ended = vec![first];
+                    while let Some(Some(more)) = calls.next().now_or_never() {
+                        ended.push(more);
+                    }
+                    let undecided = ended.iter().any(|o| !matches!(o.decision.state, state::SETTLED | state::REVIEW));
+                    self.record(ended).await;
+                    maybe_due |= undecided;
+                }
+                notification = listener.recv(), if !maybe_due => {
                     if let Err(error) = notification {
                         tracing::warn!(%error, "dispatch listener failed; polling continues");
                     }
+                    maybe_due = true;
                 }
-                // Retries and readbacks fall due by time.
-                _ = tokio::time::sleep(self.settings.poll_interval) => {}
+                _ = poll.tick(), if !maybe_due => maybe_due = true,
             }
         }
         Ok(())
     }
+}
+
+/// A finished call whose decision is not recorded yet.
+#[derive(Debug)]
+struct Outcome {
+    /// The lease token of the claim the row came with.
+    claim: String,
+    operation_key: String,
+    call: &'static str,
+    decision: Decision,
+    events: Vec<(&'static str, Option<i32>, String)>,
 }
 
 fn create_evidence(outcome: &CreateOutcome) -> String {

@@ -167,10 +167,8 @@ pub struct Event<'a> {
     pub evidence: &'a str,
 }
 
-/// Records a decision and its evidence in one short transaction, only if `owner` still holds the
-/// lease. Returns false when the lease was lost (another replica owns the row now): the decision
-/// is then not applied, but the events are still appended (state_after `lease_lost`), so the
-/// evidence of what this replica saw, a CRM receipt included, is never lost.
+/// Records a decision and its evidence, only if `owner` still holds the lease (see
+/// [`record_many`]). Returns false when the lease was lost.
 pub async fn record(
     pool: &PgPool,
     owner: &str,
@@ -178,34 +176,89 @@ pub async fn record(
     decision: &Decision,
     events: &[Event<'_>],
 ) -> Result<bool, sqlx::Error> {
-    const RECORD_DECISION: &str = r#"
-        UPDATE handoff_consumer.crm_operation
-           SET state = $2,
-               next_attempt_at = now() + make_interval(secs => $3),
-               crm_task_id = COALESCE($4, crm_task_id),
-               proof = COALESCE($5, proof),
-               note = $6,
-               unknown_since = CASE WHEN $2 = 'unknown' THEN COALESCE(unknown_since, now()) ELSE unknown_since END,
-               lease_owner = NULL, lease_until = NULL, updated_at = now()
-         WHERE operation_key = $1 AND lease_owner = $7"#;
-    let mut tx = pool.begin().await?;
-    let updated = sqlx::query(RECORD_DECISION)
-        .bind(operation_key)
-        .bind(decision.state)
-        .bind(decision.after.as_secs_f64())
-        .bind(decision.crm_task_id.as_deref())
-        .bind(decision.proof)
-        .bind(&decision.note)
-        .bind(owner)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
-    let state_after = if updated == 0 { "lease_lost" } else { decision.state };
-    for event in events {
-        insert_event(&mut tx, operation_key, event, Some(owner), state_after).await?;
+    let applied = record_many(pool, &[Recorded { owner, operation_key, decision, events }]).await?;
+    Ok(applied.first().copied().unwrap_or(false))
+}
+
+/// One decision to record: the lease token it was claimed under, the key, the decision and the
+/// evidence that led to it.
+#[derive(Debug, Clone, Copy)]
+pub struct Recorded<'a> {
+    pub owner: &'a str,
+    pub operation_key: &'a str,
+    pub decision: &'a Decision,
+    pub events: &'a [Event<'a>],
+}
+
+/// Records many decisions and their evidence in one statement (one round trip, one commit): each
+/// decision applies only if its lease token still holds the row. A row whose lease was lost keeps
+/// its state, but its events are still appended (state_after `lease_lost`), so the evidence of
+/// what this replica saw, a CRM receipt included, is never lost. Returns, per item in order,
+/// whether the decision was applied.
+///
+/// Events keep their order: they are inserted in array order, so ids (the event log's order per
+/// key) follow the order the dispatcher produced them in.
+pub async fn record_many(pool: &PgPool, items: &[Recorded<'_>]) -> Result<Vec<bool>, sqlx::Error> {
+    const RECORD_DECISIONS: &str = r#"
+        WITH decision AS (
+            SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::float8[], $5::text[], $6::text[], $7::text[])
+                       AS d(operation_key, owner, state, after_s, crm_task_id, proof, note)
+        ), applied AS (
+            UPDATE handoff_consumer.crm_operation AS o
+               SET state = d.state,
+                   next_attempt_at = now() + make_interval(secs => d.after_s),
+                   crm_task_id = COALESCE(d.crm_task_id, o.crm_task_id),
+                   proof = COALESCE(d.proof, o.proof),
+                   note = d.note,
+                   unknown_since = CASE WHEN d.state = 'unknown' THEN COALESCE(o.unknown_since, now())
+                                        ELSE o.unknown_since END,
+                   lease_owner = NULL, lease_until = NULL, updated_at = now()
+              FROM decision AS d
+             WHERE o.operation_key = d.operation_key AND o.lease_owner = d.owner
+         RETURNING o.operation_key, o.state
+        ), events AS (
+            INSERT INTO handoff_consumer.crm_event (operation_key, kind, replica, attempt, evidence, state_after)
+            SELECT e.operation_key, e.kind, e.replica, e.attempt, e.evidence, COALESCE(a.state, 'lease_lost')
+              FROM UNNEST($8::text[], $9::text[], $10::text[], $11::int4[], $12::text[])
+                   WITH ORDINALITY AS e(operation_key, kind, replica, attempt, evidence, n)
+              LEFT JOIN applied AS a USING (operation_key)
+             ORDER BY e.n
+        )
+        SELECT operation_key FROM applied"#;
+    if items.is_empty() {
+        return Ok(Vec::new());
     }
-    tx.commit().await?;
-    Ok(updated > 0)
+    let mut event_keys = Vec::new();
+    let mut kinds = Vec::new();
+    let mut replicas = Vec::new();
+    let mut attempts = Vec::new();
+    let mut evidence = Vec::new();
+    for item in items {
+        for event in item.events {
+            event_keys.push(item.operation_key);
+            kinds.push(event.kind);
+            replicas.push(item.owner);
+            attempts.push(event.attempt);
+            evidence.push(event.evidence);
+        }
+    }
+    let applied: Vec<String> = sqlx::query_scalar(RECORD_DECISIONS)
+        .bind(items.iter().map(|i| i.operation_key).collect::<Vec<_>>())
+        .bind(items.iter().map(|i| i.owner).collect::<Vec<_>>())
+        .bind(items.iter().map(|i| i.decision.state).collect::<Vec<_>>())
+        .bind(items.iter().map(|i| i.decision.after.as_secs_f64()).collect::<Vec<_>>())
+        .bind(items.iter().map(|i| i.decision.crm_task_id.as_deref()).collect::<Vec<_>>())
+        .bind(items.iter().map(|i| i.decision.proof).collect::<Vec<_>>())
+        .bind(items.iter().map(|i| i.decision.note.as_str()).collect::<Vec<_>>())
+        .bind(event_keys)
+        .bind(kinds)
+        .bind(replicas)
+        .bind(attempts)
+        .bind(evidence)
+        .fetch_all(pool)
+        .await?;
+    let applied: std::collections::HashSet<&str> = applied.iter().map(String::as_str).collect();
+    Ok(items.iter().map(|i| applied.contains(i.operation_key)).collect())
 }
 
 /// Appends one event.

@@ -401,3 +401,77 @@ async fn a_changed_payload_while_reconciliation_is_pending_is_refused_and_needs_
     assert_eq!(reviews, 1, "the edit is recorded for review");
     assert_eq!((sim.effects().await.unwrap(), sim.creates()), (1, 1));
 }
+
+/// The dispatcher as replicas run it (`run_until_stopped`: a pipeline of calls, decisions recorded
+/// in batches), on two replicas at once, while the CRM loses a reply after committing, fails one
+/// create before committing and rate-limits another: every action ends settled with exactly one
+/// CRM task, and both dispatchers stop cleanly when asked.
+#[tokio::test]
+async fn running_dispatchers_on_two_replicas_settle_every_action_once_through_failures() {
+    const N: i64 = 120;
+    let (env, sim) = setup(SimConfig::default()).await;
+    let relay = env.relay(env.relay_settings()).await.unwrap();
+    let consumer = env.remote_consumer().await.unwrap();
+    env.approve_many_via_sql(1, N).await.unwrap();
+    let mut published = 0;
+    while published < N as usize {
+        published += relay.publish_batch().await.unwrap().published;
+    }
+    let mut accepted = 0;
+    while accepted < N as usize {
+        let handled = consumer.fetch_and_handle(WAIT).await.unwrap();
+        assert!(handled.iter().all(|h| matches!(h, Handled::Accepted { .. })), "{handled:?}");
+        accepted += handled.len();
+    }
+    let faults = sim.sim.faults();
+    faults.inject(Fault::once_for("harbor:create-followup:v1:case-7", FaultKind::LoseReplyAfterCommit));
+    faults.inject(Fault::once_for("harbor:create-followup:v1:case-8", FaultKind::FailBeforeCommit));
+    faults.inject(Fault::once_for(
+        "harbor:create-followup:v1:case-9",
+        FaultKind::RateLimited { retry_after: Duration::ZERO },
+    ));
+
+    let stop = tokio_util::sync::CancellationToken::new();
+    let settings = DispatchSettings { in_flight: 4, ..env.dispatch_settings() };
+    let mut replicas = tokio::task::JoinSet::new();
+    for _ in 0..2 {
+        let dispatcher =
+            env.dispatcher(env.http_settings(&sim, Capability::ExternalId), settings.clone()).await.unwrap();
+        replicas.spawn(dispatcher.run_until_stopped(stop.clone()));
+    }
+    let counts = eventually("every action decided", Duration::from_secs(60), || async {
+        let counts = handoff_consumer::ledger::count_by_state(&env.consumer_db).await?;
+        let decided =
+            counts.get(state::SETTLED).copied().unwrap_or(0) + counts.get(state::REVIEW).copied().unwrap_or(0);
+        Ok((decided == N).then_some(counts))
+    })
+    .await
+    .unwrap();
+    stop.cancel();
+    while let Some(stopped) = replicas.join_next().await {
+        stopped.unwrap().unwrap();
+    }
+
+    assert_eq!(counts.get(state::SETTLED).copied(), Some(N), "{counts:?}");
+    let report = sim.sim.report().await.unwrap();
+    assert_eq!(report.effects, N, "one CRM task per action");
+    let mut external_ids: Vec<&str> = report.tasks.iter().map(|t| t.external_id.as_str()).collect();
+    external_ids.sort_unstable();
+    external_ids.dedup();
+    assert_eq!(external_ids.len() as i64, N, "no action has two tasks");
+    // The lost reply was settled by reading back, not by a second create.
+    let proof: String = sqlx::query_scalar("SELECT proof FROM handoff_consumer.crm_operation WHERE operation_key = $1")
+        .bind("harbor:create-followup:v1:case-7")
+        .fetch_one(&env.consumer_db)
+        .await
+        .unwrap();
+    assert_eq!(proof, "readback_by_external_id");
+    // Every create attempt and decision is in the event log, in order, once per claim.
+    let decisions: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM handoff_consumer.crm_event WHERE kind = 'decision' AND state_after = 'settled'",
+    )
+    .fetch_one(&env.consumer_db)
+    .await
+    .unwrap();
+    assert_eq!(decisions, N);
+}
