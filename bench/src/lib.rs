@@ -48,6 +48,10 @@ pub struct BenchArgs {
     /// Backlog size of the drain measurements (relay, consumer, ceilings, end-to-end maximum).
     #[arg(long, default_value_t = 100_000)]
     pub actions: i64,
+    /// Backlog size in the durable profile (the broker fsyncs before every PubAck, so it moves
+    /// an order of magnitude fewer messages per second).
+    #[arg(long, default_value_t = 20_000)]
+    pub durable_actions: i64,
     /// Repetitions of every measurement (figures are min / median / max over them).
     #[arg(long, default_value_t = 3)]
     pub runs: usize,
@@ -68,7 +72,7 @@ pub struct BenchArgs {
     #[arg(long, value_delimiter = ',', default_value = "0.1,0.5,0.9")]
     pub loads: Vec<f64>,
     /// Seconds each offered load runs.
-    #[arg(long, default_value_t = 8.0)]
+    #[arg(long, default_value_t = 5.0)]
     pub load_secs: f64,
     /// Messages timed for the publish->consume round trip.
     #[arg(long, default_value_t = 1_000)]
@@ -89,6 +93,15 @@ pub struct BenchArgs {
     /// Relay retention during the soak, seconds.
     #[arg(long, default_value_t = 30)]
     pub soak_retention_secs: u64,
+    /// Latency the simulated remote CRM adds to every request, milliseconds (remote section).
+    #[arg(long, default_value_t = 5)]
+    pub crm_latency_ms: u64,
+    /// CRM calls in flight per replica to measure in the remote section.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16,64")]
+    pub crm_in_flight: Vec<i64>,
+    /// Consumer replica counts of the remote section.
+    #[arg(long, value_delimiter = ',', default_value = "1,3")]
+    pub crm_replicas: Vec<usize>,
     /// Extra environment for every relay process, KEY=VALUE (e.g. HANDOFF_RELAY_BATCH_SIZE=1000), to
     /// measure settings other than the defaults.
     #[arg(long, value_delimiter = ',')]
@@ -96,9 +109,10 @@ pub struct BenchArgs {
     /// Extra environment for every consumer process, KEY=VALUE.
     #[arg(long, value_delimiter = ',')]
     pub consumer_env: Vec<String>,
-    /// Sections to run: ceilings, relay, consumer, e2e, plans (the publish ceiling always runs: the
-    /// consumer measurements read its stream).
-    #[arg(long, value_delimiter = ',', default_value = "ceilings,relay,consumer,e2e,plans")]
+    /// Sections to run: ceilings, relay, consumer, remote, e2e, plans (the publish ceiling always
+    /// runs: the consumer measurements read its stream). `remote` runs in the first profile only:
+    /// the broker's fsync setting does not bear on it.
+    #[arg(long, value_delimiter = ',', default_value = "ceilings,relay,consumer,remote,e2e,plans")]
     pub only: Vec<String>,
     /// Where the JSON report goes.
     #[arg(long, default_value = "target/handoff-bench/report.json")]
@@ -114,6 +128,7 @@ impl BenchArgs {
     pub fn effective(mut self) -> Self {
         if self.quick {
             self.actions = 5_000;
+            self.durable_actions = 2_000;
             self.runs = 1;
             self.relays = vec![1, 2];
             self.replicas = vec![1, 3];
@@ -121,6 +136,8 @@ impl BenchArgs {
             self.load_secs = 2.0;
             self.rtt_samples = 200;
             self.plan_backlogs = vec![10_000];
+            self.crm_in_flight = vec![4, 16];
+            self.crm_replicas = vec![1];
         }
         self.runs = self.runs.max(1);
         self
@@ -138,7 +155,7 @@ pub async fn run(args: BenchArgs) -> Result<Report> {
         rows: Vec::new(),
         plans: Vec::new(),
         soak: None,
-        not_measured: vec![remote_crm_placeholder()],
+        not_measured: Vec::new(),
         elapsed_s: 0.0,
     };
     let mut postgres = None;
@@ -210,7 +227,7 @@ fn throughput_row(profile: Profile, section: &str, id: &str, label: String, unit
 /// Every row of one profile (`full`: all of them; otherwise the headline rows).
 async fn profile_rows(world: &mut World, args: &BenchArgs, full: bool, report: &mut Report) -> Result<()> {
     let p = world.profile;
-    let n = args.actions;
+    let n = if full { args.actions } else { args.durable_actions };
     let runs = args.runs;
     let scratch = world.database("bench_check", 1).await?;
     handoff_relay::MIGRATOR.run(&scratch.pool).await?;
@@ -450,6 +467,11 @@ async fn profile_rows(world: &mut World, args: &BenchArgs, full: bool, report: &
     }
     world.drop_stream(&source.name).await;
 
+    // --- the consumer with the remote CRM simulator
+    if full && args.runs_section("remote") {
+        remote_rows(world, args, report).await?;
+    }
+
     // --- end to end
     if args.runs_section("e2e") {
         e2e_rows(world, args, full, &rtt_row, report).await?;
@@ -457,10 +479,81 @@ async fn profile_rows(world: &mut World, args: &BenchArgs, full: bool, report: &
     Ok(())
 }
 
+/// Most messages one remote-CRM measurement drains (the slow settings get fewer, sized to take
+/// about [`REMOTE_TARGET_SECS`] at the ideal rate).
+const REMOTE_MAX_ITEMS: i64 = 20_000;
+const REMOTE_MIN_ITEMS: i64 = 500;
+const REMOTE_TARGET_SECS: f64 = 3.0;
+
+/// Remote-CRM consumer throughput per in-flight limit and replica count, against the ideal
+/// `replicas x in_flight / latency` (every call takes the simulator's latency, nothing else).
+async fn remote_rows(world: &mut World, args: &BenchArgs, report: &mut Report) -> Result<()> {
+    let p = world.profile;
+    let latency = Duration::from_millis(args.crm_latency_ms);
+    eprintln!("-- remote CRM: latency {} ms, in flight {:?}", args.crm_latency_ms, args.crm_in_flight);
+    for &replicas in &args.crm_replicas {
+        let mut previous: Option<(f64, f64)> = None;
+        for &in_flight in &args.crm_in_flight {
+            let ideal = replicas as f64 * in_flight as f64 / latency.as_secs_f64().max(1e-3);
+            let items =
+                ((ideal * REMOTE_TARGET_SECS) as i64).clamp(REMOTE_MIN_ITEMS, REMOTE_MAX_ITEMS.min(args.actions));
+            let messages = ceilings::envelopes("rm", items)?;
+            let (_, source) = ceilings::publish(world, &messages).await?;
+            drop(messages);
+            let mut checks = Vec::new();
+            let samples = repeat(args.runs, &format!("remote x{replicas}, in flight {in_flight}"), async || {
+                let (sample, c) = system::remote_drain(world, &source, replicas, in_flight, latency).await?;
+                checks.push(c);
+                Ok(sample)
+            })
+            .await?;
+            world.drop_stream(&source.name).await;
+            let mut row = throughput_row(
+                p,
+                "consumer",
+                &format!("remote/replicas={replicas}/in_flight={in_flight}"),
+                format!(
+                    "consumer: remote CRM {} ms, {replicas} replica(s) x {in_flight} in flight, {items} msgs",
+                    args.crm_latency_ms
+                ),
+                "msg/s",
+                &samples,
+            )
+            .param("crm", "remote")
+            .param("crm_latency_ms", args.crm_latency_ms)
+            .param("in_flight", in_flight)
+            .param("replicas", replicas)
+            .param("backlog", items);
+            row.ratio = Some(row.value.median / ideal);
+            row.ceiling = Some(format!("ideal: {replicas} x {in_flight} / {} ms = {ideal:.0}/s", args.crm_latency_ms));
+            let busy = row.checks.get("cpu_utilization_median").and_then(Value::as_f64).unwrap_or(0.0);
+            let ratio = row.ratio.unwrap_or_default();
+            row.target(
+                ">= 0.8x in_flight / latency per replica, unless the CPUs were saturated",
+                ratio >= 0.8 || busy >= 0.9,
+            );
+            row.check("crm_effects_per_run", json!(checks.iter().map(|c| c.effects).collect::<Vec<_>>()));
+            row.check(
+                "duplicate_effects",
+                checks.iter().map(|c| c.effects - c.distinct_external_ids).max().unwrap_or_default(),
+            );
+            row.check("review", checks.iter().map(|c| c.review).max().unwrap_or_default());
+            row.check("rows_with_retried_create", checks.iter().map(|c| c.attempts_over_one).max().unwrap_or_default());
+            row.target(
+                "one CRM task per message, none held for review",
+                checks.iter().all(|c| c.effects == items && c.distinct_external_ids == items && c.review == 0),
+            );
+            scaling_target_of(&mut row, &mut previous, "calls in flight");
+            report.rows.push(row);
+        }
+    }
+    Ok(())
+}
+
 /// The end-to-end maximum (backlog) and the offered loads with their latency.
 async fn e2e_rows(world: &mut World, args: &BenchArgs, full: bool, rtt: &Row, report: &mut Report) -> Result<()> {
     let p = world.profile;
-    let n = args.actions;
+    let n = if full { args.actions } else { args.durable_actions };
     let (relays, replicas) = (args.e2e_relays, args.e2e_replicas);
     let shape = format!("{relays} relay(s) x {} workers, {replicas} replica(s)", world.relay_workers());
     eprintln!("-- end to end: {shape}");
@@ -486,14 +579,18 @@ async fn e2e_rows(world: &mut World, args: &BenchArgs, full: bool, rtt: &Row, re
     for load in loads {
         let rate = (max * load).max(1.0);
         let mut percentiles = Vec::new();
+        let mut to_mark = Vec::new();
+        let mut after_mark = Vec::new();
         let mut samples = Vec::new();
         for run in 1..=args.runs {
             let t = Instant::now();
-            let (sample, millis) =
+            let (sample, latencies) =
                 system::e2e_load(world, &mut pipeline, rate, Duration::from_secs_f64(args.load_secs), delivered)
                     .await?;
             delivered += sample.items;
-            percentiles.push(Percentiles::of(millis));
+            percentiles.push(Percentiles::of(latencies.total_ms));
+            to_mark.push(Percentiles::of(latencies.to_mark_ms));
+            after_mark.push(Percentiles::of(latencies.after_mark_ms));
             samples.push(sample);
             eprintln!(
                 "   e2e load {:.0}%: run {run}/{} done in {:.1} s",
@@ -526,6 +623,11 @@ async fn e2e_rows(world: &mut World, args: &BenchArgs, full: bool, rtt: &Row, re
         )
         .param("offered_per_s", rate)
         .against(rtt);
+        // Where the time goes: up to the relay's mark, and from the mark to the task.
+        let to_mark = Latency::of(&to_mark);
+        let after_mark = Latency::of(&after_mark);
+        lat_row.check("commit_to_mark_ms_p50_p99", json!([to_mark.p50.median, to_mark.p99.median]));
+        lat_row.check("mark_to_task_ms_p50_p99", json!([after_mark.p50.median, after_mark.p99.median]));
         if (load - 0.1).abs() < 1e-9 {
             let ratio = lat_row.ratio.unwrap_or(f64::INFINITY);
             lat_row.target("p99 <= 5x the bare round trip p99", ratio <= 5.0);
@@ -547,10 +649,15 @@ fn rss_target(row: &mut Row, role: &str, backlog: i64) {
 /// More processes must not lower throughput until the CPUs are saturated: compared with the
 /// previous (smaller) count unless that one already used >= 90% of the cores.
 fn scaling_target(row: &mut Row, previous: &mut Option<(f64, f64)>) {
+    scaling_target_of(row, previous, "processes")
+}
+
+/// [`scaling_target`] for any quantity that grows from row to row (processes, calls in flight).
+fn scaling_target_of(row: &mut Row, previous: &mut Option<(f64, f64)>, what: &str) {
     let busy = row.checks.get("cpu_utilization_median").and_then(Value::as_f64).unwrap_or(0.0);
     if let Some((rate, was_busy)) = *previous {
         let held = row.value.median >= rate * 0.95 || was_busy >= 0.9;
-        row.target("no lower than with fewer processes, unless the CPUs were saturated", held);
+        row.target(format!("no lower than with fewer {what}, unless the CPUs were saturated"), held);
     }
     *previous = Some((row.value.median, busy));
 }
@@ -613,15 +720,6 @@ fn settings(args: &BenchArgs) -> BTreeMap<String, Value> {
     s.insert("relay_batch_size".into(), json!(relay.batch_size));
     s.insert("relay_workers_default".into(), json!(relay.workers));
     s.insert("consumer_batch_size".into(), json!(handoff_consumer::ConsumerSettings::default().batch_size));
+    s.insert("crm_latency_ms".into(), json!(args.crm_latency_ms));
     s
-}
-
-/// The remote CRM row is designed in (rows with `crm = remote`, `crm_latency_ms`, `in_flight`
-/// params, compared with the local-CRM consumer) but not measured: that mode is being built.
-fn remote_crm_placeholder() -> BTreeMap<String, Value> {
-    let mut m = BTreeMap::new();
-    m.insert("measurement".into(), json!("consumer throughput with the remote CRM simulator vs in-flight limit"));
-    m.insert("reason".into(), json!("the remote CRM mode is being built; rows will be section consumer, params crm=remote, crm_latency_ms, in_flight"));
-    m.insert("planned_params".into(), json!({"crm": "remote", "crm_latency_ms": 5, "in_flight": [1, 4, 16, 64, 256]}));
-    m
 }

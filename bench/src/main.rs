@@ -15,7 +15,12 @@ async fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let json = args.json.clone();
-    let report = handoff_bench::run(args).await?;
+    // On Ctrl-C or SIGTERM the run is dropped here, which stops the services and removes the
+    // containers (exiting from a signal handler would leave them behind).
+    let report = tokio::select! {
+        report = handoff_bench::run(args) => report?,
+        _ = interrupted() => anyhow::bail!("interrupted; servers and services stopped"),
+    };
     println!("{}", report.table());
     if let Some(dir) = json.parent() {
         std::fs::create_dir_all(dir)?;
@@ -23,4 +28,17 @@ async fn main() -> anyhow::Result<()> {
     std::fs::write(&json, serde_json::to_vec_pretty(&report)?)?;
     eprintln!("report written to {} ({:.0} s)", json.display(), report.elapsed_s);
     Ok(())
+}
+
+async fn interrupted() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = async {
+            match term.as_mut() {
+                Some(term) => { term.recv().await; }
+                None => std::future::pending::<()>().await,
+            }
+        } => {}
+    }
 }

@@ -131,12 +131,13 @@ pub struct Row {
     pub label: String,
     pub unit: String,
     /// What varies between rows of a section: workers, relays, replicas, offered load, and for the
-    /// remote CRM rows to come, `crm_latency_ms` and `in_flight`.
+    /// remote CRM rows `crm_latency_ms` and `in_flight`.
     pub params: BTreeMap<String, Value>,
     /// Throughput rows: the rate. Latency rows: the p99 in milliseconds.
     pub value: Stats,
     pub latency: Option<Latency>,
-    /// The row this one is compared with, and value median / ceiling median.
+    /// The row this one is compared with (or, for the remote CRM rows, the ideal rate), and
+    /// value median / ceiling median.
     pub ceiling: Option<String>,
     pub ratio: Option<f64>,
     pub targets: Vec<Target>,
@@ -353,6 +354,7 @@ impl Report {
 fn short_role(role: &str) -> &str {
     match role {
         "postgres" => "pg",
+        "crm-sim" => "sim",
         other => other,
     }
 }

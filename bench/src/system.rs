@@ -131,32 +131,8 @@ pub async fn consumer_drain(
     for _ in 0..replicas {
         services.push(Service::spawn("consumer", "handoff-consumer", &env)?);
     }
-    // The clock starts at the first delivery: process start-up is not throughput.
-    let started = Instant::now();
-    let mut meter = None;
     let total = source.messages;
-    loop {
-        if started.elapsed() > STUCK {
-            bail!("consumers stuck after {STUCK:?}");
-        }
-        for s in &mut services {
-            s.ensure_running()?;
-        }
-        let Ok(info) = world.consumer_info(&durable, &source.name).await else {
-            // Not created yet: the first replica creates the durable when it starts.
-            tokio::time::sleep(POLL).await;
-            continue;
-        };
-        if meter.is_none() && info.delivered.stream_sequence > 0 {
-            meter = Some(Meter::start(world, &services));
-        }
-        if info.ack_floor.stream_sequence >= total && info.num_pending == 0 && info.num_ack_pending == 0 {
-            break;
-        }
-        tokio::time::sleep(POLL).await;
-    }
-    let meter = meter.context("the consumers acked everything before the first poll saw a delivery")?;
-    let sample = meter.finish(world, &services, total);
+    let sample = drain_durable(world, &mut services, &durable, source, async || Ok(true)).await?;
     let counts: (i64, i64, i64) = sqlx::query_as(
         "SELECT (SELECT count(*) FROM handoff_consumer.crm_task),
                 (SELECT count(DISTINCT operation_key) FROM handoff_consumer.crm_task),
@@ -178,6 +154,20 @@ pub async fn consumer_drain(
     };
     ensure!(checks.tasks == total as i64, "{} tasks for {total} messages", checks.tasks);
     Ok((sample, checks))
+}
+
+/// Per-action latencies of one phase.
+#[derive(Debug, Clone, Default)]
+pub struct Latencies {
+    /// Producer commit to the consumer's commit of the task.
+    pub total_ms: Vec<f64>,
+    /// Producer commit to the relay's mark (claim, publish, PubAcks).
+    pub to_mark_ms: Vec<f64>,
+    /// The relay's mark to the consumer's commit (delivery, consumer transaction). The two
+    /// overlap slightly: the consumer may commit before the mark statement starts.
+    pub after_mark_ms: Vec<f64>,
+    /// First producer commit to last consumer commit, seconds.
+    pub span_s: f64,
 }
 
 /// A running pipeline: producer and consumer databases, relays and replicas.
@@ -260,13 +250,16 @@ impl Pipeline {
         format!("p{}", self.phases)
     }
 
-    /// Latency of every action of `batch`: producer commit to consumer commit, milliseconds, and
-    /// the span from the first producer commit to the last consumer commit, seconds.
-    pub async fn latencies(&self, batch: &str) -> Result<(Vec<f64>, f64)> {
+    /// Latency of every action of `batch`, producer commit to consumer commit (ms), split at the
+    /// relay's mark (`published_at`, the start of the statement that recorded the PubAcks), and
+    /// the span from the first producer commit to the last consumer commit (s).
+    pub async fn latencies(&self, batch: &str) -> Result<Latencies> {
         let pattern = format!("{}{batch}-%", workload::KEY_PREFIX);
-        let recorded: Vec<(String, Option<f64>)> = sqlx::query_as(
-            "SELECT operation_key, extract(epoch FROM pg_xact_commit_timestamp(xmin))::float8
-               FROM handoff.approved_action WHERE operation_key LIKE $1",
+        let recorded: Vec<(String, Option<f64>, Option<f64>)> = sqlx::query_as(
+            "SELECT a.operation_key, extract(epoch FROM pg_xact_commit_timestamp(a.xmin))::float8,
+                    extract(epoch FROM o.published_at)::float8
+               FROM handoff.approved_action AS a JOIN handoff.outbox AS o USING (operation_key)
+              WHERE a.operation_key LIKE $1",
         )
         .bind(&pattern)
         .fetch_all(&self.producer.pool)
@@ -280,16 +273,21 @@ impl Pipeline {
         .await?
         .into_iter()
         .collect();
-        let mut millis = Vec::with_capacity(recorded.len());
+        let mut out = Latencies::default();
         let (mut first, mut last) = (f64::INFINITY, f64::NEG_INFINITY);
-        for (key, at) in recorded {
+        for (key, at, published) in recorded {
             let at = at.context("no commit timestamp: is track_commit_timestamp on?")?;
             let done = created.get(&key).copied().flatten().with_context(|| format!("no task for {key}"))?;
-            millis.push((done - at) * 1e3);
+            out.total_ms.push((done - at) * 1e3);
+            if let Some(published) = published {
+                out.to_mark_ms.push((published - at) * 1e3);
+                out.after_mark_ms.push((done - published) * 1e3);
+            }
             first = first.min(at);
             last = last.max(done);
         }
-        Ok((millis, last - first))
+        out.span_s = last - first;
+        Ok(out)
     }
 
     /// Stops every process (SIGTERM) and drops the databases and stream.
@@ -312,28 +310,169 @@ pub async fn e2e_backlog(world: &World, pipeline: &mut Pipeline, n: i64, total_b
     let meter = Meter::start(world, &pipeline.services);
     tx.commit().await?;
     pipeline.wait_until_delivered(world, total_before + n as u64).await?;
-    let (_, span) = pipeline.latencies(&batch).await?;
     let mut sample = meter.finish(world, &pipeline.services, n as u64);
     // From the backlog's commit to the last task's commit (not to when the poll noticed it).
-    sample.elapsed = Duration::from_secs_f64(span);
+    sample.elapsed = Duration::from_secs_f64(pipeline.latencies(&batch).await?.span_s);
     Ok(sample)
 }
 
 /// One steady offered load: `rate` actions/s for `duration`; returns the sample (throughput from
-/// the first commit to the last task) and every action's latency in ms.
+/// the first commit to the last task) and every action's latencies.
 pub async fn e2e_load(
     world: &World,
     pipeline: &mut Pipeline,
     rate: f64,
     duration: Duration,
     total_before: u64,
-) -> Result<(Sample, Vec<f64>)> {
+) -> Result<(Sample, Latencies)> {
     let batch = pipeline.next_batch();
     let meter = Meter::start(world, &pipeline.services);
     let recorded = workload::offer_load(&pipeline.producer.pool, &batch, rate, duration).await?;
     pipeline.wait_until_delivered(world, total_before + recorded as u64).await?;
-    let (millis, span) = pipeline.latencies(&batch).await?;
+    let latencies = pipeline.latencies(&batch).await?;
     let mut sample = meter.finish(world, &pipeline.services, recorded as u64);
-    sample.elapsed = Duration::from_secs_f64(span);
-    Ok((sample, millis))
+    sample.elapsed = Duration::from_secs_f64(latencies.span_s);
+    Ok((sample, latencies))
+}
+
+/// Waits until `services` have acked all of `source` on `durable` and `done` says the rest of the
+/// work is over; the clock runs from the first delivery (process start-up is not throughput).
+async fn drain_durable(
+    world: &World,
+    services: &mut [Service],
+    durable: &str,
+    source: &FilledStream,
+    mut done: impl AsyncFnMut() -> Result<bool>,
+) -> Result<Sample> {
+    let started = Instant::now();
+    let mut meter = None;
+    loop {
+        if started.elapsed() > STUCK {
+            bail!("consumers stuck after {STUCK:?}");
+        }
+        for s in services.iter_mut() {
+            s.ensure_running()?;
+        }
+        let Ok(info) = world.consumer_info(durable, &source.name).await else {
+            // Not created yet: the first replica creates the durable when it starts.
+            tokio::time::sleep(POLL).await;
+            continue;
+        };
+        if meter.is_none() && info.delivered.stream_sequence > 0 {
+            meter = Some(Meter::start(world, services));
+        }
+        let acked =
+            info.ack_floor.stream_sequence >= source.messages && info.num_pending == 0 && info.num_ack_pending == 0;
+        if acked && done().await? {
+            break;
+        }
+        tokio::time::sleep(POLL).await;
+    }
+    let meter = meter.context("everything was done before the first poll saw a delivery")?;
+    Ok(meter.finish(world, services, source.messages))
+}
+
+/// What a remote-CRM drain found afterwards.
+#[derive(Debug, Clone, Default)]
+pub struct RemoteChecks {
+    /// Tasks the simulated CRM holds (its own database): the effects.
+    pub effects: i64,
+    pub distinct_external_ids: i64,
+    pub settled: i64,
+    pub review: i64,
+    /// Ledger rows that needed more than one create attempt (the CRM refused or timed out).
+    pub attempts_over_one: i64,
+}
+
+/// The remote-CRM consumer: `replicas` consumers with `--crm http` and `in_flight` CRM calls per
+/// replica drain `source` through the simulated CRM (`handoff-crm-sim`, its own process and
+/// database) answering every request after `latency`. The clock runs from the first delivery
+/// until every ledger row is settled (intake acks at the ledger commit; the dispatchers are
+/// what this measures).
+pub async fn remote_drain(
+    world: &mut World,
+    source: &FilledStream,
+    replicas: usize,
+    in_flight: i64,
+    latency: Duration,
+) -> Result<(Sample, RemoteChecks)> {
+    let db = world.database("bench_remote", 4).await?;
+    handoff_consumer::MIGRATOR.run(&db.pool).await?;
+    let crm_db = world.database("bench_crm_sim", 2).await?;
+    let listen = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0")?;
+        probe.local_addr()?
+    };
+    let log = std::env::var("HANDOFF_BENCH_SERVICE_LOG").unwrap_or_else(|_| "warn".into());
+    let sim_env: Vec<(String, String)> = [
+        ("DATABASE_URL", crm_db.url.clone()),
+        ("CRM_SIM_LISTEN", listen.to_string()),
+        ("CRM_SIM_LATENCY_MS", latency.as_millis().to_string()),
+        ("RUST_LOG", log),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v))
+    .collect();
+    let mut sim = Service::spawn("crm-sim", "handoff-crm-sim", &sim_env)?;
+    let ready = Instant::now();
+    while tokio::net::TcpStream::connect(listen).await.is_err() {
+        sim.ensure_running()?;
+        ensure!(ready.elapsed() < Duration::from_secs(60), "handoff-crm-sim did not listen on {listen}");
+        tokio::time::sleep(POLL).await;
+    }
+
+    let durable = world.unique("crm");
+    let mut env = world.consumer_env(&db, &source.name, &source.subjects, &durable);
+    env.retain(|(k, _)| !k.starts_with("HANDOFF_CRM"));
+    env.extend(
+        [
+            ("HANDOFF_CRM", "http".to_owned()),
+            ("HANDOFF_CRM_URL", format!("http://{listen}")),
+            ("HANDOFF_CRM_TOKEN", "sim-token".to_owned()),
+            ("HANDOFF_CRM_IN_FLIGHT", in_flight.to_string()),
+        ]
+        .map(|(k, v)| (k.to_owned(), v)),
+    );
+    let mut services = vec![sim];
+    for _ in 0..replicas {
+        services.push(Service::spawn("consumer", "handoff-consumer", &env)?);
+    }
+    let total = source.messages;
+    // Intake acks after the ledger row commits, so once everything is acked every row exists; the
+    // open rows are then counted on the ledger's partial index of unsettled states.
+    let all_settled = async || {
+        let open: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM handoff_consumer.crm_operation
+              WHERE state IN ('received', 'dispatching', 'unknown', 'proved_not_executed')",
+        )
+        .fetch_one(&db.pool)
+        .await?;
+        Ok(open == 0)
+    };
+    let sample = drain_durable(world, &mut services, &durable, source, all_settled).await?;
+    let (settled, review, attempts_over_one): (i64, i64, i64) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE state = 'settled'), count(*) FILTER (WHERE state = 'review'),
+                count(*) FILTER (WHERE attempts > 1)
+           FROM handoff_consumer.crm_operation",
+    )
+    .fetch_one(&db.pool)
+    .await?;
+    let (effects, distinct_external_ids): (i64, i64) =
+        sqlx::query_as("SELECT count(*), count(DISTINCT external_id) FROM crm_sim.tasks")
+            .fetch_one(&crm_db.pool)
+            .await?;
+    for s in services {
+        s.stop().await?;
+    }
+    let _ = world.js.delete_consumer_from_stream(&durable, &source.name).await;
+    world.drop_database(db).await?;
+    world.drop_database(crm_db).await?;
+    let checks = RemoteChecks { effects, distinct_external_ids, settled, review, attempts_over_one };
+    ensure!(
+        checks.effects == total as i64 && checks.settled == total as i64,
+        "{} CRM tasks and {} settled rows for {total} messages",
+        checks.effects,
+        checks.settled
+    );
+    Ok((sample, checks))
 }

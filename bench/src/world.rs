@@ -104,7 +104,10 @@ impl World {
         let url = self.postgres.fresh_database(hint).await?;
         let options: PgConnectOptions =
             url.parse::<PgConnectOptions>()?.log_statements(tracing::log::LevelFilter::Trace);
-        let pool = PgPoolOptions::new().max_connections(connections).connect_with(options).await?;
+        // No ping per acquire (sqlx's default): the load generator should cost the machine as
+        // little as it can.
+        let pool =
+            PgPoolOptions::new().max_connections(connections).test_before_acquire(false).connect_with(options).await?;
         Ok(Database { url, pool })
     }
 
@@ -169,6 +172,8 @@ impl World {
     ) -> Vec<(String, String)> {
         let mut env = self.base_env(db, stream, subjects);
         env.push(("HANDOFF_CONSUMER_NAME".into(), durable.to_owned()));
+        // The local CRM (the consumer's own database): the mode these rows measure.
+        env.push(("HANDOFF_CRM".into(), "local".into()));
         env.extend(self.consumer_extra.iter().cloned());
         env
     }
