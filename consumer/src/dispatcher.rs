@@ -151,6 +151,19 @@ impl Dispatcher {
         Outcome { claim: claim.to_owned(), operation_key: op.operation_key, call, decision, events }
     }
 
+    /// Claims up to `room` due rows under a new lease token; a failure is logged and claims nothing
+    /// (the next poll tries again).
+    async fn claim(&self, room: i64) -> (String, Vec<ClaimedOperation>) {
+        let claim = self.next_claim();
+        match ledger::claim_due(&self.pool, self.crm.account(), &claim, room, self.settings.lease).await {
+            Ok(claimed) => (claim, claimed),
+            Err(error) => {
+                tracing::error!(%error, "claiming due rows failed; retrying at the next poll");
+                (claim, Vec::new())
+            }
+        }
+    }
+
     /// Records the decisions of finished calls in one statement, and logs each.
     async fn record(&self, outcomes: Vec<Outcome>) -> Vec<Dispatched> {
         let events: Vec<Vec<Event<'_>>> = outcomes
@@ -222,25 +235,15 @@ impl Dispatcher {
         let mut poll = tokio::time::interval(self.settings.poll_interval);
         poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let this = &self;
+        let start = |claim: String, op: ClaimedOperation| async move { this.call(&claim, op).await };
         let mut calls = FuturesUnordered::new();
         let mut maybe_due = true;
         loop {
             let room = self.settings.in_flight - calls.len() as i64;
             if maybe_due && room > 0 && !token.is_cancelled() {
-                let claim = self.next_claim();
-                match ledger::claim_due(&self.pool, self.crm.account(), &claim, room, self.settings.lease).await {
-                    Ok(claimed) => {
-                        maybe_due = claimed.len() as i64 == room;
-                        for op in claimed {
-                            let claim = claim.clone();
-                            calls.push(async move { this.call(&claim, op).await });
-                        }
-                    }
-                    Err(error) => {
-                        tracing::error!(%error, "claiming due rows failed; retrying at the next poll");
-                        maybe_due = false;
-                    }
-                }
+                let (claim, claimed) = self.claim(room).await;
+                maybe_due = claimed.len() as i64 == room;
+                calls.extend(claimed.into_iter().map(|op| start(claim.clone(), op)));
             }
             if calls.is_empty() {
                 tokio::select! {
@@ -265,7 +268,17 @@ impl Dispatcher {
                         ended.push(more);
                     }
                     let undecided = ended.iter().any(|o| !matches!(o.decision.state, state::SETTLED | state::REVIEW));
-                    self.record(ended).await;
+                    // The freed room is claimed while the decisions are recorded: two statements
+                    // on two connections, whose commits the server flushes together. A row being
+                    // recorded is leased, so the claim cannot take it.
+                    let room = self.settings.in_flight - calls.len() as i64;
+                    if maybe_due && room > 0 && !token.is_cancelled() {
+                        let (_, (claim, claimed)) = tokio::join!(self.record(ended), self.claim(room));
+                        maybe_due = claimed.len() as i64 == room;
+                        calls.extend(claimed.into_iter().map(|op| start(claim.clone(), op)));
+                    } else {
+                        self.record(ended).await;
+                    }
                     maybe_due |= undecided;
                 }
                 notification = listener.recv(), if !maybe_due => {

@@ -154,6 +154,9 @@ impl DatabaseArgs {
 
     /// Opens a pool. `application_name` shows in `pg_stat_activity`; every connection uses custom
     /// plans (see platform notes: a generic plan cached on an empty outbox keeps a full scan later).
+    /// Connections are not pinged before each use (sqlx's default doubles the round trips of
+    /// every short statement): a broken connection fails its statement, which every caller already
+    /// retries, and the pool replaces it.
     pub async fn connect(&self, application_name: &str) -> anyhow::Result<PgPool> {
         let options: PgConnectOptions = self
             .url
@@ -164,6 +167,7 @@ impl DatabaseArgs {
         Ok(PgPoolOptions::new()
             .max_connections(self.max_connections)
             .acquire_timeout(DEFAULT_CONNECT_TIMEOUT)
+            .test_before_acquire(false)
             .connect_with(options)
             .await?)
     }
