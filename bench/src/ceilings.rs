@@ -10,6 +10,8 @@
 //! * `consumer`: fetch 500 messages, insert inbox and task rows in one transaction, commit, ack
 //!   (plain or double ack).
 //! * `round_trip`: one message from publish to a waiting pull consumer: the latency yardstick.
+//! * `crm_calls`: `concurrency` callers each POSTing tasks to the CRM simulator back to back, with
+//!   the body and headers the consumer sends: what the simulator itself allows at that concurrency.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -428,4 +430,41 @@ pub async fn round_trip(world: &mut World, samples: usize) -> Result<Vec<f64>> {
     drop(messages);
     world.drop_stream(&name).await;
     Ok(millis)
+}
+
+/// `concurrency` callers create `items` tasks in the CRM simulator at `addr`, each waiting for its
+/// reply before the next request (the remote consumer's shape without ledger or broker).
+pub async fn crm_calls(world: &World, addr: std::net::SocketAddr, concurrency: usize, items: i64) -> Result<Sample> {
+    let client = reqwest::Client::builder().pool_max_idle_per_host(concurrency).build()?;
+    let url = format!("http://{addr}/v1/tasks");
+    let next = Arc::new(AtomicU64::new(1));
+    let meter = Meter::start(world, &[]);
+    let callers = (0..concurrency).map(|_| {
+        let (client, url, next) = (client.clone(), url.clone(), next.clone());
+        async move {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed) as i64;
+                if i > items {
+                    return Ok::<_, anyhow::Error>(());
+                }
+                let payload = workload::payload(i);
+                let hash = handoff_shared::CanonicalPayload::new(payload.clone())?.hash().to_string();
+                let response = client
+                    .post(&url)
+                    .bearer_auth("sim-token")
+                    .json(&serde_json::json!({
+                        "external_id": workload::key("bare", i),
+                        "payload_hash": hash,
+                        "data": payload,
+                    }))
+                    .send()
+                    .await?;
+                ensure!(response.status().is_success(), "the simulator answered {}", response.status());
+            }
+        }
+    });
+    for caller in join_all(callers).await {
+        caller?;
+    }
+    Ok(meter.finish(world, &[], items as u64))
 }

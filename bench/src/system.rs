@@ -372,6 +372,40 @@ async fn drain_durable(
     Ok(meter.finish(world, services, source.messages))
 }
 
+/// Starts `handoff-crm-sim` (its own process and database) answering every request after
+/// `latency`, with a connection pool large enough for `concurrency` requests at once (the
+/// simulator's own pool must not be what is measured). Returns it once it accepts connections.
+pub async fn start_crm_sim(
+    world: &World,
+    latency: Duration,
+    concurrency: i64,
+) -> Result<(Service, Database, std::net::SocketAddr)> {
+    let crm_db = world.database("bench_crm_sim", 2).await?;
+    let listen = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0")?;
+        probe.local_addr()?
+    };
+    let log = std::env::var("HANDOFF_BENCH_SERVICE_LOG").unwrap_or_else(|_| "warn".into());
+    let sim_env: Vec<(String, String)> = [
+        ("DATABASE_URL", crm_db.url.clone()),
+        ("DATABASE_MAX_CONNECTIONS", concurrency.clamp(8, 64).to_string()),
+        ("CRM_SIM_LISTEN", listen.to_string()),
+        ("CRM_SIM_LATENCY_MS", latency.as_millis().to_string()),
+        ("RUST_LOG", log),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v))
+    .collect();
+    let mut sim = Service::spawn("crm-sim", "handoff-crm-sim", &sim_env)?;
+    let ready = Instant::now();
+    while tokio::net::TcpStream::connect(listen).await.is_err() {
+        sim.ensure_running()?;
+        ensure!(ready.elapsed() < Duration::from_secs(60), "handoff-crm-sim did not listen on {listen}");
+        tokio::time::sleep(POLL).await;
+    }
+    Ok((sim, crm_db, listen))
+}
+
 /// What a remote-CRM drain found afterwards.
 #[derive(Debug, Clone, Default)]
 pub struct RemoteChecks {
@@ -398,28 +432,7 @@ pub async fn remote_drain(
 ) -> Result<(Sample, RemoteChecks)> {
     let db = world.database("bench_remote", 4).await?;
     handoff_consumer::MIGRATOR.run(&db.pool).await?;
-    let crm_db = world.database("bench_crm_sim", 2).await?;
-    let listen = {
-        let probe = std::net::TcpListener::bind("127.0.0.1:0")?;
-        probe.local_addr()?
-    };
-    let log = std::env::var("HANDOFF_BENCH_SERVICE_LOG").unwrap_or_else(|_| "warn".into());
-    let sim_env: Vec<(String, String)> = [
-        ("DATABASE_URL", crm_db.url.clone()),
-        ("CRM_SIM_LISTEN", listen.to_string()),
-        ("CRM_SIM_LATENCY_MS", latency.as_millis().to_string()),
-        ("RUST_LOG", log),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_owned(), v))
-    .collect();
-    let mut sim = Service::spawn("crm-sim", "handoff-crm-sim", &sim_env)?;
-    let ready = Instant::now();
-    while tokio::net::TcpStream::connect(listen).await.is_err() {
-        sim.ensure_running()?;
-        ensure!(ready.elapsed() < Duration::from_secs(60), "handoff-crm-sim did not listen on {listen}");
-        tokio::time::sleep(POLL).await;
-    }
+    let (sim, crm_db, listen) = start_crm_sim(world, latency, replicas as i64 * in_flight).await?;
 
     let durable = world.unique("crm");
     let mut env = world.consumer_env(&db, &source.name, &source.subjects, &durable);
