@@ -28,13 +28,16 @@ pub async fn soak(
     let mut pipeline = Pipeline::start(world, relays, replicas, &extra).await?;
     let batch = pipeline.next_batch();
     let duration = Duration::from_secs_f64(actions as f64 / rate);
-    let producer = {
+    let mut producer = {
         let pool = pipeline.producer.pool.clone();
         tokio::spawn(async move { workload::offer_load(&pool, &batch, rate, duration).await })
     };
     let started = Instant::now();
     let mut samples = Vec::new();
     // Sample through the load, then for two retention periods after it, to see the tables shrink.
+    // The producer records what fits in the duration (about `actions`): drained means every
+    // action it recorded has been delivered.
+    let mut recorded: Option<i64> = None;
     let mut drained_at: Option<Instant> = None;
     loop {
         tokio::time::sleep(EVERY).await;
@@ -42,14 +45,21 @@ pub async fn soak(
         tracing::info!(?sample, "soak");
         let tasks = sample.tasks;
         samples.push(sample);
-        if producer.is_finished() && drained_at.is_none() && tasks >= actions {
+        if recorded.is_none() && producer.is_finished() {
+            recorded = Some((&mut producer).await??);
+        }
+        if drained_at.is_none() && recorded.is_some_and(|r| tasks >= r) {
             drained_at = Some(Instant::now());
         }
         if drained_at.is_some_and(|at| at.elapsed() > Duration::from_secs(2 * retention_s + 10)) {
             break;
         }
+        anyhow::ensure!(
+            started.elapsed() < duration * 3 + Duration::from_secs(600),
+            "soak stuck: {tasks} delivered of {recorded:?} recorded"
+        );
     }
-    let recorded = producer.await??;
+    let recorded = recorded.unwrap_or_default();
     let counts: (i64, i64) =
         sqlx::query_as("SELECT count(*), count(DISTINCT operation_key) FROM handoff_consumer.crm_task")
             .fetch_one(&pipeline.consumer.pool)
