@@ -342,6 +342,34 @@ impl Report {
                 );
             }
         }
+        if let Some(soak) = &self.soak {
+            let max = |f: fn(&SoakSample) -> f64| soak.samples.iter().map(f).fold(0.0, f64::max);
+            let last = soak.samples.last();
+            let _ = writeln!(
+                out,
+                "\nretention soak: {} actions at {:.0}/s, retention {} s, {} samples",
+                soak.actions,
+                soak.offered_per_s,
+                soak.retention_s,
+                soak.samples.len()
+            );
+            let _ = writeln!(
+                out,
+                "  outbox rows max {:.0}, last {}; outbox MiB max {:.1}, last {:.1}; approved_action MiB last {:.1}",
+                max(|s| s.outbox_rows as f64),
+                last.map_or(0, |s| s.outbox_rows),
+                max(|s| s.outbox_mib),
+                last.map_or(0.0, |s| s.outbox_mib),
+                last.map_or(0.0, |s| s.approved_action_mib),
+            );
+            let _ = writeln!(
+                out,
+                "  outbox dead rows max {:.0}; longest relay/consumer transaction {:.3} s; checks {}",
+                max(|s| s.outbox_dead_rows as f64),
+                max(|s| s.longest_xact_s),
+                serde_json::to_string(&soak.checks).unwrap_or_default()
+            );
+        }
         for item in &self.not_measured {
             let what = item.get("measurement").and_then(Value::as_str).unwrap_or("?");
             let why = item.get("reason").and_then(Value::as_str).unwrap_or("");
