@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use handoff_shared::Backoff;
-use handoff_shared::config::{DatabaseArgs, LogFormat, NatsArgs};
+use handoff_shared::config::{DatabaseArgs, LogFormat, NatsArgs, RuntimeArgs};
 use handoff_shared::subject::Subjects;
 
 use crate::dispatcher::DispatchSettings;
@@ -45,6 +45,8 @@ pub struct ConsumerConfig {
     /// Seconds to wait at startup for the relay to create the stream.
     #[arg(long, env = "HANDOFF_STREAM_WAIT_SECS", default_value_t = 60)]
     pub stream_wait_secs: u64,
+    #[command(flatten)]
+    pub runtime: RuntimeArgs,
     /// Log format.
     #[arg(long, env = "LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,

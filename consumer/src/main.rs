@@ -9,10 +9,13 @@ use handoff_consumer::remote::HttpCrm;
 use handoff_consumer::{Consumer, LocalCrm};
 use tokio_util::sync::CancellationToken;
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let config = ConsumerConfig::parse();
     handoff_shared::config::init_tracing(config.log_format);
+    config.runtime.build()?.block_on(run(config))
+}
+
+async fn run(config: ConsumerConfig) -> anyhow::Result<()> {
     tracing::info!(?config, "starting handoff-consumer");
     let pool = config.database.connect("handoff-consumer").await?;
     let client = config.nats.connect("handoff-consumer").await?;

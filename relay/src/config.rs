@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::stream::StorageType;
 use handoff_shared::Backoff;
-use handoff_shared::config::{DatabaseArgs, LogFormat, NatsArgs};
+use handoff_shared::config::{DatabaseArgs, LogFormat, NatsArgs, RuntimeArgs};
 use handoff_shared::subject::Subjects;
 
 use crate::{RelaySettings, StreamSettings};
@@ -75,6 +75,8 @@ pub struct RelayConfig {
     /// CloudEvents source attribute of published events.
     #[arg(long, env = "HANDOFF_EVENT_SOURCE", default_value = "/handoff/relay")]
     pub event_source: String,
+    #[command(flatten)]
+    pub runtime: RuntimeArgs,
     /// Log format.
     #[arg(long, env = "LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,

@@ -5,10 +5,13 @@ use handoff_relay::Relay;
 use handoff_relay::config::RelayConfig;
 use tokio_util::sync::CancellationToken;
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let config = RelayConfig::parse();
     handoff_shared::config::init_tracing(config.log_format);
+    config.runtime.build()?.block_on(run(config))
+}
+
+async fn run(config: RelayConfig) -> anyhow::Result<()> {
     tracing::info!(?config, "starting handoff-relay");
     let pool = config.database.connect("handoff-relay").await?;
     let client = config.nats.connect("handoff-relay").await?;

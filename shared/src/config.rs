@@ -173,6 +173,34 @@ impl DatabaseArgs {
     }
 }
 
+/// The async runtime a service runs on.
+#[derive(Debug, Clone, clap::Args)]
+pub struct RuntimeArgs {
+    /// Threads of the async runtime. With 1 (the default) the process runs on one thread: its
+    /// work is waiting on Postgres and NATS, and on a small machine shared with them, handing
+    /// wake-ups between runtime threads costs more CPU than a second thread gives (profiled on
+    /// the consumer: 42% of its CPU in the kernel's scheduler with the multi-threaded runtime).
+    /// Scale out with relay workers and consumer replicas; raise this only for a process that
+    /// must use several cores by itself.
+    #[arg(
+        long = "worker-threads",
+        env = "HANDOFF_WORKER_THREADS",
+        default_value_t = 1,
+        value_parser = clap::value_parser!(u16).range(1..)
+    )]
+    pub worker_threads: u16,
+}
+
+impl RuntimeArgs {
+    /// Builds the runtime: current-thread for 1, multi-threaded otherwise.
+    pub fn build(&self) -> std::io::Result<tokio::runtime::Runtime> {
+        match self.worker_threads {
+            1 => tokio::runtime::Builder::new_current_thread().enable_all().build(),
+            n => tokio::runtime::Builder::new_multi_thread().worker_threads(n.into()).enable_all().build(),
+        }
+    }
+}
+
 /// Log output format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum LogFormat {
