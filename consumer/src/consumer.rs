@@ -231,7 +231,7 @@ impl<C: Crm + 'static> Consumer<C> {
                 stream_sequence: m.sequence,
             })
             .collect();
-        let new_keys = inbox::insert_new_arrivals(&mut tx, &arrivals).await?;
+        let new_keys = inbox::insert_new_arrivals(&mut tx, &arrivals, C::USUAL_OUTCOME).await?;
 
         // The first arrival of each new key goes to the CRM.
         let mut sent_to_crm = HashSet::new();
@@ -251,19 +251,21 @@ impl<C: Crm + 'static> Consumer<C> {
         }
         let task_outcomes = self.crm.create_tasks(&mut tx, &requests).await?;
         let mut crm_result = HashMap::new();
-        let mut recorded = Vec::with_capacity(requests.len());
+        let mut unusual = Vec::new();
         let mut reviews = Vec::new();
         for (request, outcome) in requests.iter().zip(&task_outcomes) {
             crm_result.insert(request.operation_key.as_str(), *outcome);
-            let (kind, task_id) = match *outcome {
-                TaskOutcome::Created { task_id } => ("task_created", Some(task_id)),
-                TaskOutcome::Existing { task_id } => ("task_existed", Some(task_id)),
-                TaskOutcome::Conflict { task_id } => ("conflict", Some(task_id)),
-                TaskOutcome::Accepted => ("accepted", None),
+            let kind = match *outcome {
+                TaskOutcome::Created { .. } => "task_created",
+                TaskOutcome::Existing { .. } => "task_existed",
+                TaskOutcome::Conflict { .. } => "conflict",
+                TaskOutcome::Accepted => "accepted",
             };
-            recorded.push((request.operation_key.clone(), kind, task_id));
+            if kind != C::USUAL_OUTCOME {
+                unusual.push((request.operation_key.as_str(), kind));
+            }
         }
-        inbox::record_outcomes(&mut tx, &recorded).await?;
+        inbox::record_unusual_outcomes(&mut tx, &unusual).await?;
 
         // Keys that were not new, or arrived more than once in this batch, are compared with what
         // the inbox holds (including rows this batch inserted a moment ago).

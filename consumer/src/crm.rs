@@ -36,6 +36,11 @@ pub enum CrmError {
 
 /// A destination that creates one task per operation key.
 pub trait Crm: Send + Sync {
+    /// The inbox outcome a new key is recorded with before the CRM is asked: what this CRM does
+    /// with a new key unless something is wrong. Only arrivals whose outcome turns out different
+    /// are written a second time, so the usual batch costs one inbox statement, not two.
+    const USUAL_OUTCOME: &'static str;
+
     /// Creates tasks for `requests`, in the consumer's transaction `conn`. Returns one outcome per
     /// request, in order. Must be idempotent per key.
     fn create_tasks(
@@ -50,6 +55,8 @@ pub trait Crm: Send + Sync {
 pub struct LocalCrm;
 
 impl Crm for LocalCrm {
+    const USUAL_OUTCOME: &'static str = "task_created";
+
     async fn create_tasks(
         &self,
         conn: &mut PgConnection,

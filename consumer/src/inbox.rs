@@ -13,22 +13,30 @@ pub struct Arrival {
     pub stream_sequence: i64,
 }
 
-/// Inserts arrivals whose key is new and returns those keys. A key already present (a redelivery,
-/// a re-publish after the broker forgot the id, or a conflicting payload) is left untouched.
+/// Inserts arrivals whose key is new, with `outcome` (the CRM's usual one, see
+/// [`Crm::USUAL_OUTCOME`](crate::crm::Crm::USUAL_OUTCOME)), and returns those keys. A key already
+/// present (a redelivery, a re-publish after the broker forgot the id, or a conflicting payload) is
+/// left untouched.
 pub async fn insert_new_arrivals(
     conn: &mut PgConnection,
     arrivals: &[Arrival],
+    outcome: &str,
 ) -> Result<HashSet<String>, sqlx::Error> {
     const INSERT_NEW_ARRIVALS: &str = r#"
         INSERT INTO handoff_consumer.inbox (operation_key, payload_hash, stream_sequence, outcome)
-        SELECT k, h, s, 'task_created' FROM UNNEST($1::text[], $2::text[], $3::bigint[]) AS u(k, h, s)
+        SELECT k, h, s, $4 FROM UNNEST($1::text[], $2::text[], $3::bigint[]) AS u(k, h, s)
         ON CONFLICT (operation_key) DO NOTHING
         RETURNING operation_key"#;
     let keys: Vec<&str> = arrivals.iter().map(|a| a.operation_key.as_str()).collect();
     let hashes: Vec<&str> = arrivals.iter().map(|a| a.payload_hash.as_str()).collect();
     let seqs: Vec<i64> = arrivals.iter().map(|a| a.stream_sequence).collect();
-    let rows: Vec<(String,)> =
-        sqlx::query_as(INSERT_NEW_ARRIVALS).bind(keys).bind(hashes).bind(seqs).fetch_all(&mut *conn).await?;
+    let rows: Vec<(String,)> = sqlx::query_as(INSERT_NEW_ARRIVALS)
+        .bind(keys)
+        .bind(hashes)
+        .bind(seqs)
+        .bind(outcome)
+        .fetch_all(&mut *conn)
+        .await?;
     Ok(rows.into_iter().map(|(k,)| k).collect())
 }
 
@@ -43,22 +51,22 @@ pub async fn recorded_hashes(conn: &mut PgConnection, keys: &[&str]) -> Result<H
     Ok(rows.into_iter().collect())
 }
 
-/// Records what the CRM did for each new arrival.
-pub async fn record_outcomes(
+/// Corrects the outcome of new arrivals the CRM did not handle the usual way (the task already
+/// existed, or held other content). The task itself is found by its operation key in the CRM.
+pub async fn record_unusual_outcomes(
     conn: &mut PgConnection,
-    outcomes: &[(String, &'static str, Option<i64>)],
+    outcomes: &[(&str, &'static str)],
 ) -> Result<(), sqlx::Error> {
     const RECORD_OUTCOMES: &str = r#"
-        UPDATE handoff_consumer.inbox AS i SET outcome = u.outcome, task_id = u.task_id
-          FROM UNNEST($1::text[], $2::text[], $3::bigint[]) AS u(k, outcome, task_id)
+        UPDATE handoff_consumer.inbox AS i SET outcome = u.outcome
+          FROM UNNEST($1::text[], $2::text[]) AS u(k, outcome)
          WHERE i.operation_key = u.k"#;
     if outcomes.is_empty() {
         return Ok(());
     }
-    let keys: Vec<&str> = outcomes.iter().map(|o| o.0.as_str()).collect();
+    let keys: Vec<&str> = outcomes.iter().map(|o| o.0).collect();
     let kinds: Vec<&str> = outcomes.iter().map(|o| o.1).collect();
-    let tasks: Vec<Option<i64>> = outcomes.iter().map(|o| o.2).collect();
-    sqlx::query(RECORD_OUTCOMES).bind(keys).bind(kinds).bind(tasks).execute(&mut *conn).await?;
+    sqlx::query(RECORD_OUTCOMES).bind(keys).bind(kinds).execute(&mut *conn).await?;
     Ok(())
 }
 

@@ -28,6 +28,8 @@ pub struct LedgerCrm {
 }
 
 impl Crm for LedgerCrm {
+    const USUAL_OUTCOME: &'static str = "accepted";
+
     async fn create_tasks(
         &self,
         conn: &mut PgConnection,

@@ -82,6 +82,57 @@ async fn a_crm_store_holding_different_content_for_the_key_records_a_conflict_an
 }
 
 #[tokio::test]
+async fn a_crm_store_already_holding_the_same_task_is_a_duplicate_recorded_as_task_existed() {
+    let env = TestEnv::start().await.unwrap();
+    let relay = env.relay(env.relay_settings()).await.unwrap();
+    let consumer = env.consumer(env.consumer_settings()).await.unwrap();
+    env.approve("case-104", SEED_TITLE).await.unwrap();
+    env.approve("case-105", SEED_TITLE).await.unwrap();
+    // The CRM already holds case-104 with exactly the approved content (e.g. an inbox restored
+    // from an older backup than the CRM store).
+    let (payload, hash): (serde_json::Value, String) = sqlx::query_as(
+        "SELECT payload, payload_hash FROM handoff.approved_action WHERE operation_key = 'harbor:create-followup:v1:case-104'",
+    )
+    .fetch_one(&env.producer_db)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO handoff_consumer.crm_task (operation_key, payload_hash, payload, approved_by)
+         VALUES ('harbor:create-followup:v1:case-104', $1, $2, 'someone')",
+    )
+    .bind(&hash)
+    .bind(&payload)
+    .execute(&env.consumer_db)
+    .await
+    .unwrap();
+    relay.publish_batch().await.unwrap();
+
+    let mut handled = Vec::new();
+    while handled.len() < 2 {
+        let batch = consumer.fetch_and_handle(WAIT).await.unwrap();
+        assert!(!batch.is_empty(), "both messages arrive; got {handled:?}");
+        handled.extend(batch);
+    }
+    assert!(handled.iter().any(|h| matches!(h, Handled::Duplicate { .. })), "{handled:?}");
+    assert!(handled.iter().any(|h| matches!(h, Handled::Created { .. })), "{handled:?}");
+    let counts = env.consumer_counts().await.unwrap();
+    assert_eq!((counts.inbox, counts.tasks, counts.reviews), (2, 2, 0));
+    // The usual outcome is written with the arrival; only the exception is corrected.
+    let outcomes: Vec<(String, String)> =
+        sqlx::query_as("SELECT operation_key, outcome FROM handoff_consumer.inbox ORDER BY operation_key")
+            .fetch_all(&env.consumer_db)
+            .await
+            .unwrap();
+    assert_eq!(
+        outcomes,
+        [
+            ("harbor:create-followup:v1:case-104".to_owned(), "task_existed".to_owned()),
+            ("harbor:create-followup:v1:case-105".to_owned(), "task_created".to_owned()),
+        ]
+    );
+}
+
+#[tokio::test]
 async fn two_keys_with_identical_payloads_make_two_tasks() {
     let env = TestEnv::start().await.unwrap();
     let relay = env.relay(env.relay_settings()).await.unwrap();
