@@ -10,6 +10,11 @@ use crate::dispatcher::DispatchSettings;
 use crate::remote::{Capability, HttpCrmSettings};
 use crate::{ConsumerSettings, SubscriptionSettings};
 
+/// JetStream's own default (1,000) lets only four replicas of 250 messages work at once; 10,000
+/// leaves room for 20 replicas' batches of 500. A crashed replica's unacked messages come back
+/// after `ack_wait` either way.
+pub const DEFAULT_MAX_ACK_PENDING: i64 = 10_000;
+
 /// Turns approved actions from NATS JetStream into CRM tasks, once per operation key.
 #[derive(Debug, clap::Parser)]
 #[command(name = "handoff-consumer", version)]
@@ -33,11 +38,12 @@ pub struct ConsumerConfig {
     /// Seconds without an ack before a message is redelivered.
     #[arg(long, env = "HANDOFF_ACK_WAIT_SECS", default_value_t = 30)]
     pub ack_wait_secs: u64,
-    /// Unacknowledged messages allowed across all replicas.
-    #[arg(long, env = "HANDOFF_MAX_ACK_PENDING", default_value_t = 1000)]
+    /// Unacknowledged messages allowed across all replicas. Keep it at least replicas x batch
+    /// size: beyond max_ack_pending / batch size, further replicas get nothing to do.
+    #[arg(long, env = "HANDOFF_MAX_ACK_PENDING", default_value_t = DEFAULT_MAX_ACK_PENDING)]
     pub max_ack_pending: i64,
     /// Messages per transaction.
-    #[arg(long, env = "HANDOFF_CONSUMER_BATCH_SIZE", default_value_t = 250)]
+    #[arg(long, env = "HANDOFF_CONSUMER_BATCH_SIZE", default_value_t = crate::ConsumerSettings::DEFAULT_BATCH_SIZE)]
     pub batch_size: usize,
     /// Failed deliveries before a message is dead-lettered.
     #[arg(long, env = "HANDOFF_DEAD_LETTER_AFTER", default_value_t = 10)]
