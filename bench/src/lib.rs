@@ -114,6 +114,10 @@ pub struct BenchArgs {
     /// the broker's fsync setting does not bear on it.
     #[arg(long, value_delimiter = ',', default_value = "ceilings,relay,consumer,remote,e2e,plans")]
     pub only: Vec<String>,
+    /// Run the producer's and the consumer's databases on one Postgres server. By default the
+    /// pipelines give the consumer its own server, as `deploy/compose.yaml` does.
+    #[arg(long)]
+    pub shared_postgres: bool,
     /// Where the JSON report goes.
     #[arg(long, default_value = "target/handoff-bench/report.json")]
     pub json: PathBuf,
@@ -166,7 +170,7 @@ pub async fn run(args: BenchArgs) -> Result<Report> {
             other => anyhow::bail!("unknown profile {other:?} (default, durable)"),
         };
         let mut world = match postgres.take() {
-            None => World::start(profile).await?,
+            None => World::start(profile, args.shared_postgres).await?,
             Some(pg) => World::with_postgres(pg, profile).await?,
         };
         world.relay_extra = key_values(&args.relay_env)?;

@@ -192,7 +192,7 @@ impl Pipeline {
         extra: &[(&'static str, String)],
     ) -> Result<Self> {
         let producer = world.database("bench_e2e_producer", 8).await?;
-        let consumer = world.database("bench_e2e_consumer", 8).await?;
+        let consumer = world.consumer_database("bench_e2e_consumer", 8).await?;
         handoff_relay::MIGRATOR.run(&producer.pool).await?;
         handoff_consumer::MIGRATOR.run(&consumer.pool).await?;
         let stream = world.unique("E2E");

@@ -45,10 +45,35 @@ impl Profile {
     }
 }
 
+/// The Postgres servers of a run: the producer's (outbox, relay, bare loops) and the consumer's
+/// own, as `deploy/compose.yaml` runs them. The pipelines (end to end, soak) put the consumer's
+/// database on the second server, so that the consumer's transactions are not part of the
+/// producer cluster's transaction horizon, which the relay's commit-order claim waits on. With
+/// `--shared-postgres` both are one server (a deployment that shares a cluster).
+#[derive(Debug)]
+pub struct Servers {
+    pub producer: Postgres,
+    pub consumer: Option<Postgres>,
+}
+
+impl Servers {
+    /// Starts the producer's server, and the consumer's unless `shared`.
+    pub async fn start(shared: bool) -> Result<Self> {
+        // Data on volumes: the host filesystem's speed and fsync, not the storage driver's.
+        let producer = Postgres::start_with(POSTGRES_ARGS, Storage::Volume).await?;
+        let consumer = if shared { None } else { Some(Postgres::start_with(POSTGRES_ARGS, Storage::Volume).await?) };
+        Ok(Self { producer, consumer })
+    }
+
+    fn all(&self) -> impl Iterator<Item = &Postgres> {
+        std::iter::once(&self.producer).chain(self.consumer.as_ref())
+    }
+}
+
 /// The servers of a run.
 #[derive(Debug)]
 pub struct World {
-    pub postgres: Postgres,
+    pub postgres: Servers,
     pub nats: Nats,
     pub profile: Profile,
     pub client: async_nats::Client,
@@ -60,15 +85,13 @@ pub struct World {
 }
 
 impl World {
-    /// Starts Postgres and a NATS server for `profile`.
-    pub async fn start(profile: Profile) -> Result<Self> {
-        // Data on volumes: the host filesystem's speed and fsync, not the storage driver's.
-        let postgres = Postgres::start_with(POSTGRES_ARGS, Storage::Volume).await?;
-        Self::with_postgres(postgres, profile).await
+    /// Starts the Postgres servers (one if `shared_postgres`) and a NATS server for `profile`.
+    pub async fn start(profile: Profile, shared_postgres: bool) -> Result<Self> {
+        Self::with_postgres(Servers::start(shared_postgres).await?, profile).await
     }
 
-    /// Starts a NATS server for `profile` next to an existing Postgres.
-    pub async fn with_postgres(postgres: Postgres, profile: Profile) -> Result<Self> {
+    /// Starts a NATS server for `profile` next to existing Postgres servers.
+    pub async fn with_postgres(postgres: Servers, profile: Profile) -> Result<Self> {
         let nats = match profile {
             Profile::Default => Nats::start_with(&NATS_DEFAULT_ARGS, Storage::Volume).await?,
             Profile::Durable => Nats::start_with(&NATS_DURABLE_ARGS, Storage::Volume).await?,
@@ -88,7 +111,7 @@ impl World {
     }
 
     /// Stops this profile's NATS and hands back Postgres for the next profile.
-    pub async fn into_postgres(self) -> Postgres {
+    pub async fn into_postgres(self) -> Servers {
         let _ = self.client.drain().await;
         self.postgres
     }
@@ -99,23 +122,32 @@ impl World {
         format!("{hint}{}", self.counter)
     }
 
-    /// A fresh database and a pool on it.
+    /// A fresh database on the producer's server and a pool on it.
     pub async fn database(&self, hint: &str, connections: u32) -> Result<Database> {
-        let url = self.postgres.fresh_database(hint).await?;
+        Self::database_on(&self.postgres.producer, hint, connections).await
+    }
+
+    /// A fresh database on the consumer's own server (the producer's with `--shared-postgres`).
+    pub async fn consumer_database(&self, hint: &str, connections: u32) -> Result<Database> {
+        Self::database_on(self.postgres.consumer.as_ref().unwrap_or(&self.postgres.producer), hint, connections).await
+    }
+
+    async fn database_on(server: &Postgres, hint: &str, connections: u32) -> Result<Database> {
+        let url = server.fresh_database(hint).await?;
         let options: PgConnectOptions =
             url.parse::<PgConnectOptions>()?.log_statements(tracing::log::LevelFilter::Trace);
         // No ping per acquire (sqlx's default): the load generator should cost the machine as
         // little as it can.
         let pool =
             PgPoolOptions::new().max_connections(connections).test_before_acquire(false).connect_with(options).await?;
-        Ok(Database { url, pool })
+        Ok(Database { url, admin_url: server.admin_url(), pool })
     }
 
     /// Drops a database and what it holds, so runs do not accumulate data (and page cache).
     pub async fn drop_database(&self, db: Database) -> Result<()> {
         let name = db.pool.connect_options().get_database().unwrap_or_default().to_owned();
         db.pool.close().await;
-        let admin = PgPoolOptions::new().max_connections(1).connect(&self.postgres.admin_url()).await?;
+        let admin = PgPoolOptions::new().max_connections(1).connect(&db.admin_url).await?;
         // The name comes from fresh_database: [a-z0-9_] only.
         sqlx::raw_sql(AssertSqlSafe(format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)")))
             .execute(&admin)
@@ -144,14 +176,16 @@ impl World {
         Ok(consumer.get_info().await?)
     }
 
-    /// CPU seconds used so far by the Postgres and NATS containers.
+    /// CPU seconds used so far by the Postgres containers (together) and the NATS container.
     pub fn servers_cpu(&self) -> (Option<f64>, Option<f64>) {
-        (container_cpu_seconds(self.postgres.container().id()), container_cpu_seconds(self.nats.container().id()))
+        let pg = self.postgres.all().map(|p| container_cpu_seconds(p.container().id())).sum();
+        (pg, container_cpu_seconds(self.nats.container().id()))
     }
 
-    /// Peak memory of the Postgres and NATS containers, MiB.
+    /// Peak memory of the Postgres containers (the larger) and the NATS container, MiB.
     pub fn servers_peak_mib(&self) -> (Option<f64>, Option<f64>) {
-        (container_peak_mib(self.postgres.container().id()), container_peak_mib(self.nats.container().id()))
+        let pg = self.postgres.all().filter_map(|p| container_peak_mib(p.container().id())).reduce(f64::max);
+        (pg, container_peak_mib(self.nats.container().id()))
     }
 
     /// Environment for a real `handoff-relay` against `db`, `stream` and `subjects`. Everything
@@ -206,6 +240,8 @@ impl World {
 #[derive(Debug, Clone)]
 pub struct Database {
     pub url: String,
+    /// The server's maintenance database, to drop this one from.
+    admin_url: String,
     pub pool: PgPool,
 }
 
