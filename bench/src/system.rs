@@ -430,7 +430,9 @@ pub async fn remote_drain(
     in_flight: i64,
     latency: Duration,
 ) -> Result<(Sample, RemoteChecks)> {
-    let db = world.database("bench_remote", 4).await?;
+    // The consumer's database on its own server, the simulator's on the other: a remote CRM does
+    // not commit on the consumer's database server.
+    let db = world.consumer_database("bench_remote", 4).await?;
     handoff_consumer::MIGRATOR.run(&db.pool).await?;
     let (sim, crm_db, listen) = start_crm_sim(world, latency, replicas as i64 * in_flight).await?;
 
