@@ -114,6 +114,7 @@ impl Dispatcher {
 
     /// Makes the call a claimed row needs and decides; records nothing.
     async fn call(&self, claim: &str, op: ClaimedOperation) -> Outcome {
+        let started = std::time::Instant::now();
         let now = op.db_now;
         let (call, decision, mut events) = match op.prior_state.as_str() {
             state::RECEIVED | state::PROVED_NOT_EXECUTED => {
@@ -148,6 +149,7 @@ impl Dispatcher {
             );
         }
         events.push(("decision", None, decision.note.clone()));
+        tracing::debug!(call, call_us = started.elapsed().as_micros() as u64, "call timings");
         Outcome { claim: claim.to_owned(), operation_key: op.operation_key, call, decision, events }
     }
 
@@ -272,12 +274,17 @@ impl Dispatcher {
                     // on two connections, whose commits the server flushes together. A row being
                     // recorded is leased, so the claim cannot take it.
                     let room = self.settings.in_flight - calls.len() as i64;
+                    let (recorded, started) = (ended.len(), std::time::Instant::now());
                     if maybe_due && room > 0 && !token.is_cancelled() {
                         let (_, (claim, claimed)) = tokio::join!(self.record(ended), self.claim(room));
+                        tracing::debug!(recorded, claimed = claimed.len(), in_flight = calls.len(),
+                            record_and_claim_us = started.elapsed().as_micros() as u64, "dispatch timings");
                         maybe_due = claimed.len() as i64 == room;
                         calls.extend(claimed.into_iter().map(|op| start(claim.clone(), op)));
                     } else {
                         self.record(ended).await;
+                        tracing::debug!(recorded, claimed = 0, in_flight = calls.len(),
+                            record_and_claim_us = started.elapsed().as_micros() as u64, "dispatch timings");
                     }
                     maybe_due |= undecided;
                 }
