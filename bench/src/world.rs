@@ -45,11 +45,11 @@ impl Profile {
     }
 }
 
-/// The Postgres servers of a run: the producer's (outbox, relay, bare loops) and the consumer's
-/// own, as `deploy/compose.yaml` runs them. The pipelines (end to end, soak) put the consumer's
-/// database on the second server, so that the consumer's transactions are not part of the
-/// producer cluster's transaction horizon, which the relay's commit-order claim waits on. With
-/// `--shared-postgres` both are one server (a deployment that shares a cluster).
+/// The Postgres servers of a run: the producer's (outbox, relay, bare loops, the CRM simulator)
+/// and the consumer's own, as `deploy/compose.yaml` runs them. The pipelines (end to end, soak)
+/// and the remote-CRM rows put the consumer's database on the second server, so its commits and
+/// transactions share no server with the producer's or the simulator's. With `--shared-postgres`
+/// both are one server (a deployment that shares a cluster); measured, the latency was the same.
 #[derive(Debug)]
 pub struct Servers {
     pub producer: Postgres,

@@ -261,12 +261,7 @@ impl<C: Crm + 'static> Consumer<C> {
         let mut reviews = Vec::new();
         for (request, outcome) in requests.iter().zip(&task_outcomes) {
             crm_result.insert(request.operation_key.as_str(), *outcome);
-            let kind = match *outcome {
-                TaskOutcome::Created { .. } => "task_created",
-                TaskOutcome::Existing { .. } => "task_existed",
-                TaskOutcome::Conflict { .. } => "conflict",
-                TaskOutcome::Accepted => "accepted",
-            };
+            let kind = outcome.inbox_outcome();
             if kind != C::USUAL_OUTCOME {
                 unusual.push((request.operation_key.as_str(), kind));
             }

@@ -5,6 +5,8 @@
 
 use sqlx::PgConnection;
 
+use crate::inbox::outcome;
+
 /// One task to create: the verified action.
 #[derive(Debug, Clone)]
 pub struct TaskRequest {
@@ -25,6 +27,18 @@ pub enum TaskOutcome {
     Conflict { task_id: i64 },
     /// Recorded for dispatch to a remote CRM (see `ledger::LedgerCrm`); the outcome comes later.
     Accepted,
+}
+
+impl TaskOutcome {
+    /// The inbox outcome that records this.
+    pub fn inbox_outcome(self) -> &'static str {
+        match self {
+            Self::Created { .. } => outcome::TASK_CREATED,
+            Self::Existing { .. } => outcome::TASK_EXISTED,
+            Self::Conflict { .. } => outcome::CONFLICT,
+            Self::Accepted => outcome::ACCEPTED,
+        }
+    }
 }
 
 /// Why the CRM call failed as a whole. Transient: the batch is retried.
@@ -55,7 +69,7 @@ pub trait Crm: Send + Sync {
 pub struct LocalCrm;
 
 impl Crm for LocalCrm {
-    const USUAL_OUTCOME: &'static str = "task_created";
+    const USUAL_OUTCOME: &'static str = outcome::TASK_CREATED;
 
     async fn create_tasks(
         &self,

@@ -275,17 +275,18 @@ impl Dispatcher {
                     // recorded is leased, so the claim cannot take it.
                     let room = self.settings.in_flight - calls.len() as i64;
                     let (recorded, started) = (ended.len(), std::time::Instant::now());
-                    if maybe_due && room > 0 && !token.is_cancelled() {
+                    let claimed = if maybe_due && room > 0 && !token.is_cancelled() {
                         let (_, (claim, claimed)) = tokio::join!(self.record(ended), self.claim(room));
-                        tracing::debug!(recorded, claimed = claimed.len(), in_flight = calls.len(),
-                            record_and_claim_us = started.elapsed().as_micros() as u64, "dispatch timings");
                         maybe_due = claimed.len() as i64 == room;
+                        let count = claimed.len();
                         calls.extend(claimed.into_iter().map(|op| start(claim.clone(), op)));
+                        count
                     } else {
                         self.record(ended).await;
-                        tracing::debug!(recorded, claimed = 0, in_flight = calls.len(),
-                            record_and_claim_us = started.elapsed().as_micros() as u64, "dispatch timings");
-                    }
+                        0
+                    };
+                    tracing::debug!(recorded, claimed, in_flight = calls.len(),
+                        record_and_claim_us = started.elapsed().as_micros() as u64, "dispatch timings");
                     maybe_due |= undecided;
                 }
                 notification = listener.recv(), if !maybe_due => {

@@ -5,6 +5,14 @@ use std::collections::{HashMap, HashSet};
 
 use sqlx::{PgConnection, PgPool};
 
+/// The words of the inbox's `outcome` column (the migrations' CHECK constraint lists the same).
+pub mod outcome {
+    pub const TASK_CREATED: &str = "task_created";
+    pub const TASK_EXISTED: &str = "task_existed";
+    pub const CONFLICT: &str = "conflict";
+    pub const ACCEPTED: &str = "accepted";
+}
+
 /// A verified message to record in the inbox.
 #[derive(Debug, Clone)]
 pub struct Arrival {

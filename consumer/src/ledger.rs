@@ -28,7 +28,7 @@ pub struct LedgerCrm {
 }
 
 impl Crm for LedgerCrm {
-    const USUAL_OUTCOME: &'static str = "accepted";
+    const USUAL_OUTCOME: &'static str = crate::inbox::outcome::ACCEPTED;
 
     async fn create_tasks(
         &self,
