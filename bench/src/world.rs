@@ -228,6 +228,9 @@ impl World {
             ("NATS_URL", self.nats.url()),
             ("HANDOFF_STREAM", stream.to_owned()),
             ("HANDOFF_SUBJECT_PREFIX", subjects.prefix().to_owned()),
+            // Several processes on one host: the endpoint is off unless a row turns it on
+            // (`--relay-env HANDOFF_HTTP_ADDR=...`).
+            ("HANDOFF_HTTP_ADDR", String::new()),
             ("RUST_LOG", log),
         ]
         .into_iter()

@@ -3,7 +3,8 @@
 use std::time::Duration;
 
 use handoff_shared::Backoff;
-use handoff_shared::config::{DatabaseArgs, LogFormat, NatsArgs, RuntimeArgs};
+use handoff_shared::config::{DatabaseArgs, LogFormat, NatsArgs, ObserveArgs, RuntimeArgs};
+use handoff_shared::observe::HttpAddr;
 use handoff_shared::subject::Subjects;
 
 use crate::dispatcher::DispatchSettings;
@@ -14,6 +15,10 @@ use crate::{ConsumerSettings, SubscriptionSettings};
 /// leaves room for 20 replicas' batches of 500. A crashed replica's unacked messages come back
 /// after `ack_wait` either way.
 pub const DEFAULT_MAX_ACK_PENDING: i64 = 10_000;
+
+/// Where a replica serves /metrics, /healthz and /readyz unless told otherwise (the relay's
+/// default is the port below, so both run side by side on one host).
+pub const DEFAULT_HTTP_ADDR: &str = "0.0.0.0:9186";
 
 /// Turns approved actions from NATS JetStream into CRM tasks, once per operation key.
 #[derive(Debug, clap::Parser)]
@@ -51,6 +56,12 @@ pub struct ConsumerConfig {
     /// Seconds to wait at startup for the relay to create the stream.
     #[arg(long, env = "HANDOFF_STREAM_WAIT_SECS", default_value_t = 60)]
     pub stream_wait_secs: u64,
+    /// Address of the /metrics, /healthz and /readyz endpoint; empty turns it off. Give each
+    /// replica on one host its own port.
+    #[arg(long, env = "HANDOFF_HTTP_ADDR", default_value = DEFAULT_HTTP_ADDR)]
+    pub http_addr: HttpAddr,
+    #[command(flatten)]
+    pub observe: ObserveArgs,
     #[command(flatten)]
     pub runtime: RuntimeArgs,
     /// Log format.
@@ -244,6 +255,8 @@ impl ConsumerConfig {
                 max: Duration::from_secs(60),
                 ..Backoff::default()
             },
+            stall_after: self.observe.stall_after(),
+            sample_interval: self.observe.sample_interval(),
             ..ConsumerSettings::default()
         }
     }

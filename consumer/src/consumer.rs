@@ -16,12 +16,16 @@ use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::message::Message;
 use futures::StreamExt;
 use futures::future::join_all;
+use handoff_shared::logging::{Outage, error_chain};
+use handoff_shared::observe::{Check, Endpoint, Heartbeat, Liveness, Readiness};
 use handoff_shared::{Backoff, Envelope, headers};
+use prometheus_client::registry::Registry;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 use crate::crm::{Crm, TaskOutcome, TaskRequest};
 use crate::inbox::{self, Arrival, DeadLetter, ReviewItem};
+use crate::metrics::{ConsumerMetrics, outcome};
 
 /// How the consumer batches, retries and gives up.
 #[derive(Debug, Clone)]
@@ -34,6 +38,10 @@ pub struct ConsumerSettings {
     pub backoff: Backoff,
     /// Pull request expiry; also bounds how long shutdown waits for the fetch loop.
     pub fetch_expires: Duration,
+    /// A loop that has not completed an iteration for this long is reported stalled (`/healthz`).
+    pub stall_after: Duration,
+    /// How often the gauges are sampled from the broker and the database.
+    pub sample_interval: Duration,
 }
 
 impl ConsumerSettings {
@@ -53,6 +61,8 @@ impl Default for ConsumerSettings {
                 ..Backoff::default()
             },
             fetch_expires: Duration::from_secs(5),
+            stall_after: handoff_shared::observe::DEFAULT_STALL_AFTER,
+            sample_interval: handoff_shared::observe::DEFAULT_SAMPLE_INTERVAL,
         }
     }
 }
@@ -74,6 +84,20 @@ pub enum Handled {
     Retrying { error: String },
 }
 
+impl Handled {
+    /// The word `handoff_consumer_messages_total` counts this outcome under.
+    pub fn outcome(&self) -> &'static str {
+        match self {
+            Self::Created { .. } => outcome::CREATED,
+            Self::Accepted { .. } => outcome::ACCEPTED,
+            Self::Duplicate { .. } => outcome::DUPLICATE,
+            Self::Conflict { .. } => outcome::CONFLICT,
+            Self::DeadLettered { .. } => outcome::DEAD_LETTERED,
+            Self::Retrying { .. } => outcome::NAKED,
+        }
+    }
+}
+
 /// Failure injection for tests (see `RelayFaults`).
 #[derive(Debug, Default)]
 pub struct ConsumerFaults {
@@ -81,6 +105,9 @@ pub struct ConsumerFaults {
     pub crash_after_commit: AtomicU32,
     /// Fail the batch transaction as a database outage would (before commit).
     pub fail_transaction: AtomicU32,
+    /// The next batch hangs (until shutdown) before its transaction, as a statement stuck on a
+    /// lock would: the loop's heartbeat stops and `/healthz` turns 503.
+    pub stall_batch: AtomicU32,
 }
 
 fn fire(counter: &AtomicU32) -> bool {
@@ -100,7 +127,9 @@ pub enum ConsumeError {
 
 /// One message after verification.
 struct Incoming {
-    message: Message,
+    /// The broker's message, to acknowledge; `None` for a dead letter being replayed (already
+    /// terminated at the broker: the database alone records its outcome).
+    message: Option<Message>,
     verified: Result<Envelope, String>,
     sequence: i64,
     delivered: i64,
@@ -111,9 +140,15 @@ struct Incoming {
 pub struct Consumer<C> {
     pool: PgPool,
     consumer: PullConsumer,
+    client: async_nats::Client,
     crm: Arc<C>,
     settings: ConsumerSettings,
     faults: Arc<ConsumerFaults>,
+    metrics: ConsumerMetrics,
+    registry: Arc<Registry>,
+    liveness: Liveness,
+    /// Batch transactions failing (the database), one warning at the start and one at the end.
+    batches: Arc<Outage>,
 }
 
 impl<C: Crm + 'static> Consumer<C> {
@@ -126,9 +161,45 @@ impl<C: Crm + 'static> Consumer<C> {
         settings: ConsumerSettings,
     ) -> anyhow::Result<Self> {
         crate::MIGRATOR.run(&pool).await?;
-        let js = async_nats::jetstream::new(client);
+        let js = async_nats::jetstream::new(client.clone());
         let consumer = crate::subscription::bind(&js, subscription).await?;
-        Ok(Self { pool, consumer, crm: Arc::new(crm), settings, faults: Arc::default() })
+        let mut registry = Registry::default();
+        let metrics = ConsumerMetrics::register(&mut registry);
+        Ok(Self {
+            pool,
+            consumer,
+            client,
+            crm: Arc::new(crm),
+            settings,
+            faults: Arc::default(),
+            metrics,
+            registry: Arc::new(registry),
+            liveness: Liveness::default(),
+            batches: Arc::new(Outage::new("consumer batch transactions")),
+        })
+    }
+
+    /// This replica's metrics (the dispatcher of the replica adds its CRM calls to them).
+    pub fn metrics(&self) -> &ConsumerMetrics {
+        &self.metrics
+    }
+
+    /// This replica's loops, for the dispatcher to register with.
+    pub fn liveness(&self) -> &Liveness {
+        &self.liveness
+    }
+
+    /// The `/metrics`, `/healthz` and `/readyz` endpoint of this replica.
+    pub fn endpoint(&self) -> Endpoint {
+        Endpoint {
+            registry: self.registry.clone(),
+            liveness: self.liveness.clone(),
+            readiness: Arc::new(ConsumerReadiness {
+                pool: self.pool.clone(),
+                consumer: self.consumer.clone(),
+                client: self.client.clone(),
+            }),
+        }
     }
 
     /// This replica's fault hooks (tests only).
@@ -153,9 +224,32 @@ impl<C: Crm + 'static> Consumer<C> {
         if messages.is_empty() {
             return Vec::new();
         }
-        let incoming: Vec<Incoming> = messages.into_iter().map(verify).collect();
+        let started = std::time::Instant::now();
+        let actions: Vec<String> = messages
+            .iter()
+            .map(|m| {
+                let key = m.headers.as_ref().and_then(|h| h.get(headers::MSG_ID)).map(|v| v.as_str());
+                crate::metrics::action_type(key)
+            })
+            .collect();
+        let outcomes = self.handle_verified(messages.into_iter().map(verify).collect()).await;
+        let mut counts: HashMap<(String, &'static str), u64> = HashMap::new();
+        for (action, handled) in actions.into_iter().zip(&outcomes) {
+            *counts.entry((action, handled.outcome())).or_default() += 1;
+        }
+        self.metrics.add_messages(&counts);
+        self.metrics.batch_duration.observe(started.elapsed().as_secs_f64());
+        outcomes
+    }
+
+    async fn handle_verified(&self, incoming: Vec<Incoming>) -> Vec<Handled> {
+        if fire(&self.faults.stall_batch) {
+            tracing::warn!(messages = incoming.len(), "injected stall: this batch hangs");
+            std::future::pending::<()>().await;
+        }
         match self.commit(&incoming).await {
             Ok(outcomes) => {
+                self.batches.succeeded();
                 if fire(&self.faults.crash_after_commit) {
                     tracing::warn!(messages = incoming.len(), "injected crash after commit, before ack");
                     return Vec::new();
@@ -164,7 +258,11 @@ impl<C: Crm + 'static> Consumer<C> {
                 outcomes
             }
             Err(error) if incoming.len() > 1 => {
-                tracing::warn!(error = %anyhow::Error::from(error), messages = incoming.len(), "batch failed; retrying messages one by one");
+                self.metrics.batch_errors.inc();
+                let cause = error_chain(&error);
+                if !self.batches.failed(&cause, incoming.len() as u64) {
+                    tracing::debug!(error = %cause, messages = incoming.len(), "batch failed; retrying messages one by one");
+                }
                 let mut outcomes = Vec::with_capacity(incoming.len());
                 for one in incoming {
                     outcomes.push(self.handle_alone(one).await);
@@ -183,6 +281,7 @@ impl<C: Crm + 'static> Consumer<C> {
         let single = [one];
         match self.commit(&single).await {
             Ok(mut outcomes) => {
+                self.batches.succeeded();
                 self.acknowledge(&single, &outcomes).await;
                 outcomes.pop().expect("one outcome")
             }
@@ -196,29 +295,32 @@ impl<C: Crm + 'static> Consumer<C> {
     /// A message that failed transiently: nak with backoff, or dead-letter once it has failed
     /// `dead_letter_after` times and the dead letter is safely stored.
     async fn after_failure(&self, one: Incoming, error: ConsumeError) -> Handled {
-        let error = format!("{:#}", anyhow::Error::from(error));
+        let error = error_chain(&error);
         if one.delivered >= self.settings.dead_letter_after {
             let reason = format!("failed {} deliveries; last error: {error}", one.delivered);
-            let letter = dead_letter(&one, reason.clone());
+            let letters: Vec<DeadLetter> = dead_letter(&one, reason.clone()).into_iter().collect();
             let stored = async {
                 let mut tx = self.pool.begin().await?;
-                inbox::record_dead_letters(&mut tx, &[letter]).await?;
+                inbox::record_dead_letters(&mut tx, &letters).await?;
                 tx.commit().await
             }
             .await;
             match stored {
                 Ok(()) => {
-                    settle(&one.message, AckKind::Term).await;
+                    settle(one.message.as_ref(), AckKind::Term).await;
                     return Handled::DeadLettered { reason };
                 }
                 Err(store_error) => {
-                    tracing::error!(%store_error, "cannot store dead letter; message stays for redelivery")
+                    tracing::error!(sequence = one.sequence, error = %error_chain(&store_error), "cannot store dead letter; message stays for redelivery")
                 }
             }
         }
         let delay = self.settings.backoff.delay(one.delivered.max(1) as u32);
-        tracing::warn!(sequence = one.sequence, delivered = one.delivered, %error, ?delay, "message will be redelivered");
-        settle(&one.message, AckKind::Nak(Some(delay))).await;
+        // During an outage every message fails alike: the outage is logged once, each message at debug.
+        let key = one.verified.as_ref().ok().map(|env| env.key.to_string());
+        self.batches.failed(&error, 1);
+        tracing::debug!(operation_key = ?key, sequence = one.sequence, delivered = one.delivered, %error, ?delay, "message will be redelivered");
+        settle(one.message.as_ref(), AckKind::Nak(Some(delay))).await;
         Handled::Retrying { error }
     }
 
@@ -228,6 +330,15 @@ impl<C: Crm + 'static> Consumer<C> {
         if fire(&self.faults.fail_transaction) {
             return Err(ConsumeError::Injected("batch transaction failed"));
         }
+        let outcomes = self.record(&mut tx, incoming).await?;
+        tx.commit().await?;
+        log_outcomes(incoming, &outcomes);
+        Ok(outcomes)
+    }
+
+    /// Everything the batch transaction writes: inbox rows, tasks (or ledger rows), conflicts and
+    /// dead letters, in `tx`. Returns one outcome per message, in order.
+    async fn record(&self, tx: &mut sqlx::PgConnection, incoming: &[Incoming]) -> Result<Vec<Handled>, ConsumeError> {
         let arrivals: Vec<Arrival> = incoming
             .iter()
             .filter_map(|m| m.verified.as_ref().ok().map(|env| (m, env)))
@@ -237,7 +348,7 @@ impl<C: Crm + 'static> Consumer<C> {
                 stream_sequence: m.sequence,
             })
             .collect();
-        let new_keys = inbox::insert_new_arrivals(&mut tx, &arrivals, C::USUAL_OUTCOME).await?;
+        let new_keys = inbox::insert_new_arrivals(&mut *tx, &arrivals, C::USUAL_OUTCOME).await?;
 
         // The first arrival of each new key goes to the CRM.
         let mut sent_to_crm = HashSet::new();
@@ -255,7 +366,7 @@ impl<C: Crm + 'static> Consumer<C> {
                 });
             }
         }
-        let task_outcomes = self.crm.create_tasks(&mut tx, &requests).await?;
+        let task_outcomes = self.crm.create_tasks(&mut *tx, &requests).await?;
         let mut crm_result = HashMap::new();
         let mut unusual = Vec::new();
         let mut reviews = Vec::new();
@@ -266,7 +377,7 @@ impl<C: Crm + 'static> Consumer<C> {
                 unusual.push((request.operation_key.as_str(), kind));
             }
         }
-        inbox::record_unusual_outcomes(&mut tx, &unusual).await?;
+        inbox::record_unusual_outcomes(&mut *tx, &unusual).await?;
 
         // Keys that were not new, or arrived more than once in this batch, are compared with what
         // the inbox holds (including rows this batch inserted a moment ago).
@@ -280,7 +391,7 @@ impl<C: Crm + 'static> Consumer<C> {
             .map(|(key, _)| *key)
             .collect();
         let held =
-            if repeated.is_empty() { Default::default() } else { inbox::recorded_hashes(&mut tx, &repeated).await? };
+            if repeated.is_empty() { Default::default() } else { inbox::recorded_hashes(&mut *tx, &repeated).await? };
 
         let mut outcomes = Vec::with_capacity(incoming.len());
         let mut letters = Vec::new();
@@ -289,7 +400,7 @@ impl<C: Crm + 'static> Consumer<C> {
             let env = match &m.verified {
                 Ok(env) => env,
                 Err(reason) => {
-                    letters.push(dead_letter(m, reason.clone()));
+                    letters.extend(dead_letter(m, reason.clone()));
                     outcomes.push(Handled::DeadLettered { reason: reason.clone() });
                     continue;
                 }
@@ -330,25 +441,55 @@ impl<C: Crm + 'static> Consumer<C> {
             };
             outcomes.push(outcome);
         }
-        inbox::record_reviews(&mut tx, &reviews).await?;
-        inbox::record_dead_letters(&mut tx, &letters).await?;
-        tx.commit().await?;
-        for (m, outcome) in incoming.iter().zip(&outcomes) {
-            match outcome {
-                Handled::Created { operation_key, task_id } => {
-                    tracing::debug!(%operation_key, task_id, sequence = m.sequence, "task created");
+        inbox::record_reviews(&mut *tx, &reviews).await?;
+        inbox::record_dead_letters(&mut *tx, &letters).await?;
+        Ok(outcomes)
+    }
+
+    /// Replays the dead letters an operator asked for (`handoff-admin dead-letter replay`), at most
+    /// `limit`, in one transaction: each is verified again and, if it now verifies, goes through
+    /// the same statements as a delivered message (so the inbox still decides once per key); it is
+    /// then resolved with its outcome. One that still fails keeps its place with the new reason
+    /// and its request cleared. Replicas never replay the same letter: rows are locked `SKIP
+    /// LOCKED`. A crash before the commit leaves the request in place for the next pass.
+    pub async fn replay_requested(&self, limit: i64) -> Result<Vec<(i64, Handled)>, ConsumeError> {
+        let mut tx = self.pool.begin().await?;
+        let letters = inbox::lock_replay_requests(&mut tx, limit).await?;
+        if letters.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut ids = Vec::new();
+        let mut incoming = Vec::new();
+        let mut still_failing = Vec::new();
+        for letter in letters {
+            match Envelope::decode(&letter.body, letter.message_id.as_deref()) {
+                Ok(envelope) => {
+                    ids.push(letter.id);
+                    incoming.push(Incoming {
+                        message: None,
+                        verified: Ok(envelope),
+                        sequence: letter.stream_sequence,
+                        delivered: letter.deliveries,
+                    });
                 }
-                Handled::Conflict { operation_key } => {
-                    tracing::warn!(%operation_key, sequence = m.sequence, "conflict recorded for review");
-                }
-                Handled::DeadLettered { .. } => {
-                    // The reason can quote message content; it is in the dead-letter table, not the log.
-                    tracing::warn!(sequence = m.sequence, "message dead-lettered");
-                }
-                _ => {}
+                Err(error) => still_failing.push((letter.id, format!("replay failed: {error}"))),
             }
         }
-        Ok(outcomes)
+        let outcomes = self.record(&mut tx, &incoming).await?;
+        let resolved: Vec<(i64, String)> =
+            ids.iter().zip(&outcomes).map(|(id, handled)| (*id, format!("replayed: {}", handled.outcome()))).collect();
+        inbox::finish_replays(&mut tx, &resolved, &still_failing).await?;
+        tx.commit().await?;
+        log_outcomes(&incoming, &outcomes);
+        let mut done: Vec<(i64, Handled)> = ids.into_iter().zip(outcomes).collect();
+        for (id, reason) in still_failing {
+            tracing::warn!(dead_letter = id, "dead letter replayed and still failing; it stays in the queue");
+            done.push((id, Handled::DeadLettered { reason }));
+        }
+        for (id, handled) in &done {
+            tracing::info!(dead_letter = id, outcome = handled.outcome(), "dead letter replayed");
+        }
+        Ok(done)
     }
 
     /// Acks after the commit: done messages with a double ack (waits for the server), conflicts and
@@ -360,14 +501,32 @@ impl<C: Crm + 'static> Consumer<C> {
                 Handled::Conflict { .. } | Handled::DeadLettered { .. } => AckKind::Term,
                 Handled::Retrying { .. } => AckKind::Nak(Some(self.settings.backoff.delay(m.delivered.max(1) as u32))),
             };
-            settle(&m.message, kind).await;
+            settle(m.message.as_ref(), kind).await;
         }))
         .await;
     }
 
     /// Pulls and handles batches until `token` is cancelled, then finishes the batch in hand.
+    /// Samples the gauges and logs progress beside it.
     pub async fn run_until_stopped(self, token: CancellationToken) -> anyhow::Result<()> {
+        let heartbeat = self.liveness.register("consumer fetch loop", self.settings.stall_after);
+        let sampler_heartbeat = self.liveness.register("consumer sampler", self.settings.stall_after);
+        tracing::info!(batch_size = self.settings.batch_size, "consumer running");
+        tokio::join!(
+            self.fetch_until_stopped(&heartbeat, &token),
+            self.sample_periodically(&sampler_heartbeat, token.clone())
+        );
+        tracing::info!("consumer stopped");
+        Ok(())
+    }
+
+    async fn fetch_until_stopped(&self, heartbeat: &Heartbeat, token: &CancellationToken) {
+        // An idle pull stream yields nothing for as long as the stream is empty; the tick keeps the
+        // heartbeat honest: it beats only when this loop is free to take the next chunk.
+        let mut idle = tokio::time::interval((self.settings.stall_after / 4).max(Duration::from_millis(10)));
+        idle.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         while !token.is_cancelled() {
+            heartbeat.beat();
             let stream = self
                 .consumer
                 .stream()
@@ -378,17 +537,19 @@ impl<C: Crm + 'static> Consumer<C> {
             let mut stream = match stream {
                 Ok(stream) => stream.ready_chunks(self.settings.batch_size),
                 Err(error) => {
-                    tracing::warn!(%error, "cannot start pulling; retrying");
-                    tokio::select! {
-                        _ = token.cancelled() => break,
-                        _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
+                    tracing::warn!(error = %error_chain(&error), "cannot start pulling; retrying");
+                    if !heartbeat.pause(Duration::from_secs(1), token).await {
+                        break;
                     }
+                    continue;
                 }
             };
             loop {
+                heartbeat.beat();
                 let chunk = tokio::select! {
                     // Stop fetching; messages buffered but not handled are redelivered after ack_wait.
                     _ = token.cancelled() => break,
+                    _ = idle.tick() => continue,
                     chunk = stream.next() => chunk,
                 };
                 let Some(chunk) = chunk else { break };
@@ -396,15 +557,102 @@ impl<C: Crm + 'static> Consumer<C> {
                 for item in chunk {
                     match item {
                         Ok(message) => messages.push(message),
-                        Err(error) => tracing::warn!(%error, "pull stream error"),
+                        Err(error) => tracing::warn!(error = %error_chain(&error), "pull stream error"),
                     }
                 }
                 // Not raced against shutdown: a batch in hand is finished and acked.
                 self.handle_batch(messages).await;
             }
         }
-        tracing::info!("consumer stopped");
-        Ok(())
+    }
+
+    /// Samples the gauges now: the durable consumer's pending and unacknowledged messages, and the
+    /// depths in the consumer's database.
+    pub async fn sample(&self) -> anyhow::Result<inbox::DepthSample> {
+        let info = self.consumer.get_info().await?;
+        let depths = inbox::sample_depths(&self.pool).await?;
+        let m = &self.metrics;
+        m.pending_messages.set(info.num_pending as i64);
+        m.ack_pending_messages.set(info.num_ack_pending as i64);
+        m.redelivered_messages.set(info.num_redelivered as i64);
+        for state in crate::metrics::SAMPLED_LEDGER_STATES {
+            let rows = depths.ledger.get(state).copied().unwrap_or(0);
+            m.ledger_rows.get_or_create(&crate::metrics::StateLabel { state }).set(rows);
+        }
+        m.oldest_unknown_age.set(depths.oldest_unknown_s);
+        m.review_rows.set(depths.ledger.get("review").copied().unwrap_or(0));
+        m.conflict_rows.set(depths.conflicts);
+        m.dead_letter_rows.set(depths.dead_letters);
+        m.paused_action_types.set(depths.paused);
+        Ok(inbox::DepthSample { pending_messages: info.num_pending, ..depths })
+    }
+
+    async fn sample_periodically(&self, heartbeat: &Heartbeat, token: CancellationToken) {
+        let mut last_line = std::time::Instant::now();
+        let totals = &self.metrics.totals;
+        let load = |counter: &std::sync::atomic::AtomicU64| counter.load(Ordering::Relaxed);
+        let (mut handled_before, mut created_before) = (load(&totals.handled), load(&totals.created));
+        loop {
+            match self.sample().await {
+                Ok(sample) if last_line.elapsed() >= crate::PROGRESS_INTERVAL => {
+                    let (handled, created) = (load(&totals.handled), load(&totals.created));
+                    let seconds = last_line.elapsed().as_secs_f64();
+                    tracing::info!(
+                        handled = handled - handled_before,
+                        per_second = ((handled - handled_before) as f64 / seconds).round(),
+                        created = created - created_before,
+                        pending_messages = sample.pending_messages,
+                        undecided_ledger_rows =
+                            sample.ledger.iter().filter(|(s, _)| **s != "review").map(|(_, n)| n).sum::<i64>(),
+                        review = sample.ledger.get("review").copied().unwrap_or(0),
+                        conflicts = sample.conflicts,
+                        dead_letters = sample.dead_letters,
+                        "progress"
+                    );
+                    (handled_before, created_before, last_line) = (handled, created, std::time::Instant::now());
+                }
+                Ok(_) => {}
+                Err(error) => {
+                    self.metrics.sample_errors.inc();
+                    tracing::debug!(error = %error_chain(error.as_ref()), "sampling failed; the gauges keep their last value");
+                }
+            }
+            // Replays an operator asked for are picked up here, at the sample interval.
+            if let Err(error) = self.replay_requested(REPLAY_BATCH).await {
+                tracing::warn!(error = %error_chain(&error), "replaying dead letters failed; retrying at the next interval");
+            }
+            if !heartbeat.pause(self.settings.sample_interval, &token).await {
+                return;
+            }
+        }
+    }
+}
+
+/// Dead letters replayed per pass.
+const REPLAY_BATCH: i64 = 100;
+
+/// A replica's readiness: its database is reachable and migrated, NATS is connected, and the
+/// stream and the durable consumer exist.
+struct ConsumerReadiness {
+    pool: PgPool,
+    consumer: PullConsumer,
+    client: async_nats::Client,
+}
+
+impl Readiness for ConsumerReadiness {
+    fn check(&self) -> futures::future::BoxFuture<'_, Vec<Check>> {
+        Box::pin(async move {
+            let database =
+                Check::bounded("database", handoff_shared::observe::check_database(&self.pool, &crate::MIGRATOR));
+            let durable = Check::bounded("consumer", async {
+                match self.consumer.get_info().await {
+                    Ok(info) => Check::ok("consumer", format!("{} on stream {}", info.name, info.stream_name)),
+                    Err(error) => Check::failed("consumer", error_chain(&error)),
+                }
+            });
+            let (database, durable) = tokio::join!(database, durable);
+            vec![database, handoff_shared::observe::check_nats(&self.client), durable]
+        })
     }
 }
 
@@ -415,12 +663,40 @@ fn verify(message: Message) -> Incoming {
     };
     let msg_id = message.headers.as_ref().and_then(|h| h.get(headers::MSG_ID)).map(|v| v.as_str().to_owned());
     let verified = Envelope::decode(&message.payload, msg_id.as_deref()).map_err(|e| e.to_string());
-    Incoming { message, verified, sequence, delivered }
+    Incoming { message: Some(message), verified, sequence, delivered }
 }
 
-fn dead_letter(m: &Incoming, reason: String) -> DeadLetter {
-    let headers = m
-        .message
+/// Logs what a committed batch did that is worth a line.
+fn log_outcomes(incoming: &[Incoming], outcomes: &[Handled]) {
+    for (m, outcome) in incoming.iter().zip(outcomes) {
+        match outcome {
+            Handled::Created { operation_key, task_id } => {
+                tracing::debug!(%operation_key, task_id, sequence = m.sequence, "task created");
+            }
+            Handled::Accepted { operation_key } => {
+                tracing::debug!(%operation_key, sequence = m.sequence, "accepted for the remote CRM");
+            }
+            Handled::Duplicate { operation_key } => {
+                tracing::debug!(%operation_key, sequence = m.sequence, "duplicate: already handled");
+            }
+            Handled::Conflict { operation_key } => {
+                tracing::warn!(%operation_key, sequence = m.sequence, "conflict recorded for review");
+            }
+            Handled::DeadLettered { .. } => {
+                // The reason can quote message content; it is in the dead-letter table, not the log.
+                let message_id =
+                    m.message.as_ref().and_then(|msg| msg.headers.as_ref()?.get(headers::MSG_ID)).map(|v| v.as_str());
+                tracing::warn!(sequence = m.sequence, message_id, "message dead-lettered");
+            }
+            Handled::Retrying { .. } => {}
+        }
+    }
+}
+
+/// The dead letter of a broker message (a replayed letter is stored already: `None`).
+fn dead_letter(m: &Incoming, reason: String) -> Option<DeadLetter> {
+    let message = m.message.as_ref()?;
+    let headers = message
         .headers
         .as_ref()
         .map(|h| {
@@ -434,20 +710,22 @@ fn dead_letter(m: &Incoming, reason: String) -> DeadLetter {
             serde_json::Value::Object(map)
         })
         .unwrap_or_else(|| serde_json::json!({}));
-    DeadLetter {
+    Some(DeadLetter {
         stream_sequence: m.sequence,
-        subject: m.message.subject.to_string(),
-        message_id: m.message.headers.as_ref().and_then(|h| h.get(headers::MSG_ID)).map(|v| v.as_str().to_owned()),
+        subject: message.subject.to_string(),
+        message_id: message.headers.as_ref().and_then(|h| h.get(headers::MSG_ID)).map(|v| v.as_str().to_owned()),
         reason,
         deliveries: m.delivered,
         headers,
-        body: m.message.payload.to_vec(),
-    }
+        body: message.payload.to_vec(),
+    })
 }
 
 /// Sends an ack of `kind` and waits for the server's confirmation. A failed ack only means a
-/// redelivery, which the inbox turns into a duplicate, so it is logged, not retried.
-async fn settle(message: &Message, kind: AckKind) {
+/// redelivery, which the inbox turns into a duplicate, so it is logged, not retried. A replayed
+/// dead letter has no broker message: nothing to send.
+async fn settle(message: Option<&Message>, kind: AckKind) {
+    let Some(message) = message else { return };
     if let Err(error) = message.double_ack_with(kind).await {
         tracing::warn!(%error, "ack not confirmed; the message may be redelivered");
     }

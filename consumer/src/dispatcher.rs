@@ -21,7 +21,11 @@ use sqlx::PgPool;
 use sqlx::postgres::PgListener;
 use tokio_util::sync::CancellationToken;
 
+use handoff_shared::logging::error_chain;
+use handoff_shared::observe::Liveness;
+
 use crate::ledger::{self, ClaimedOperation, Decision, Event, Recorded, state};
+use crate::metrics::{CallLabel, CallLabels, ConsumerMetrics};
 use crate::remote::{Capability, CreateOutcome, HttpCrm, Readback, RemoteTask};
 
 /// The channel new ledger rows signal on.
@@ -86,13 +90,35 @@ pub struct Dispatcher {
     /// Each claim gets its own lease token (`owner:n`), so two claims of one dispatcher can never
     /// both record a decision for the same row.
     claims: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    metrics: ConsumerMetrics,
+    liveness: Liveness,
+    stall_after: Duration,
 }
 
 impl Dispatcher {
     /// A dispatcher on the consumer's database (migrated by `Consumer::build`).
     pub fn new(pool: PgPool, crm: HttpCrm, settings: DispatchSettings) -> Self {
         let owner = format!("dispatcher-{:016x}", rand::random::<u64>());
-        Self { pool, crm, settings, owner, claims: Default::default() }
+        let metrics = ConsumerMetrics::register(&mut prometheus_client::registry::Registry::default());
+        Self {
+            pool,
+            crm,
+            settings,
+            owner,
+            claims: Default::default(),
+            metrics,
+            liveness: Liveness::default(),
+            stall_after: handoff_shared::observe::DEFAULT_STALL_AFTER,
+        }
+    }
+
+    /// Reports CRM calls in the replica's `metrics` and the dispatch loop's heartbeat in its
+    /// `liveness` (bound `stall_after`), so they show on the replica's endpoint.
+    pub fn observed_by(mut self, metrics: &ConsumerMetrics, liveness: &Liveness, stall_after: Duration) -> Self {
+        self.metrics = metrics.clone();
+        self.liveness = liveness.clone();
+        self.stall_after = stall_after;
+        self
     }
 
     /// The lease token of the next claim.
@@ -149,7 +175,10 @@ impl Dispatcher {
             );
         }
         events.push(("decision", None, decision.note.clone()));
-        tracing::debug!(call, call_us = started.elapsed().as_micros() as u64, "call timings");
+        if call != "none" {
+            self.metrics.crm_call_duration.get_or_create(&CallLabel { call }).observe(started.elapsed().as_secs_f64());
+        }
+        tracing::debug!(operation_key = %op.operation_key, call, call_us = started.elapsed().as_micros() as u64, "call timings");
         Outcome { claim: claim.to_owned(), operation_key: op.operation_key, call, decision, events }
     }
 
@@ -160,7 +189,7 @@ impl Dispatcher {
         match ledger::claim_due(&self.pool, self.crm.account(), &claim, room, self.settings.lease).await {
             Ok(claimed) => (claim, claimed),
             Err(error) => {
-                tracing::error!(%error, "claiming due rows failed; retrying at the next poll");
+                tracing::error!(error = %error_chain(&error), "claiming due rows failed; retrying at the next poll");
                 (claim, Vec::new())
             }
         }
@@ -189,6 +218,7 @@ impl Dispatcher {
             Err(error) => {
                 // The leases will expire and the next claimer reads back, so nothing is retried
                 // blindly; each outcome is logged so the evidence survives the failed write.
+                let error = error_chain(&error);
                 for o in &outcomes {
                     tracing::error!(operation_key = %o.operation_key, call = o.call, note = %o.decision.note, %error,
                         "cannot record the decision; the key will be read back after its lease");
@@ -200,6 +230,8 @@ impl Dispatcher {
         drop(events);
         let mut done = Vec::with_capacity(outcomes.len());
         for (o, applied) in outcomes.into_iter().zip(applied) {
+            let result = if applied { o.decision.state } else { "lease_lost" };
+            self.metrics.crm_calls.get_or_create(&CallLabels { call: o.call, result }).inc();
             if !applied {
                 tracing::warn!(operation_key = %o.operation_key, call = o.call, note = %o.decision.note,
                     "lease lost before recording: another replica owns the key; evidence kept, decision not applied");
@@ -240,7 +272,10 @@ impl Dispatcher {
         let start = |claim: String, op: ClaimedOperation| async move { this.call(&claim, op).await };
         let mut calls = FuturesUnordered::new();
         let mut maybe_due = true;
+        let heartbeat = self.liveness.register("dispatcher", self.stall_after);
+        tracing::info!(account = %self.crm.account(), in_flight = self.settings.in_flight, "dispatcher running");
         loop {
+            heartbeat.beat();
             let room = self.settings.in_flight - calls.len() as i64;
             if maybe_due && room > 0 && !token.is_cancelled() {
                 let (claim, claimed) = self.claim(room).await;
@@ -254,7 +289,7 @@ impl Dispatcher {
                     // New ledger rows: dispatch now.
                     notification = listener.recv() => {
                         if let Err(error) = notification {
-                            tracing::warn!(%error, "dispatch listener failed; polling continues");
+                            tracing::warn!(error = %error_chain(&error), "dispatch listener failed; polling continues");
                         }
                     }
                     _ = poll.tick() => {}
@@ -291,7 +326,7 @@ impl Dispatcher {
                 }
                 notification = listener.recv(), if !maybe_due => {
                     if let Err(error) = notification {
-                        tracing::warn!(%error, "dispatch listener failed; polling continues");
+                        tracing::warn!(error = %error_chain(&error), "dispatch listener failed; polling continues");
                     }
                     maybe_due = true;
                 }

@@ -162,3 +162,123 @@ pub async fn count_rows(pool: &PgPool) -> Result<ConsumerCounts, sqlx::Error> {
     .fetch_one(pool)
     .await
 }
+
+/// Depths of what waits in the consumer's database (see [`sample_depths`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct DepthSample {
+    /// Ledger rows not settled, by state (`review` included).
+    pub ledger: std::collections::BTreeMap<&'static str, i64>,
+    /// Age of the oldest unknown outcome, seconds (0 when none).
+    pub oldest_unknown_s: f64,
+    /// Unresolved conflicts.
+    pub conflicts: i64,
+    /// Unresolved dead letters.
+    pub dead_letters: i64,
+    pub paused: i64,
+    /// Messages the durable consumer has not delivered yet (filled in by the caller).
+    pub pending_messages: u64,
+}
+
+/// Counts what waits, from partial indexes only: undecided ledger rows (`crm_operation_due`),
+/// ledger rows in review, unresolved conflicts and dead letters. Settled history is never scanned.
+pub async fn sample_depths(pool: &PgPool) -> Result<DepthSample, sqlx::Error> {
+    const SAMPLE_DEPTHS: &str = r#"
+        WITH undecided AS MATERIALIZED (
+            -- The dispatcher's partial index holds exactly these rows.
+            SELECT state, unknown_since FROM handoff_consumer.crm_operation
+             WHERE state IN ('received', 'dispatching', 'unknown', 'proved_not_executed')
+        )
+        SELECT (SELECT count(*) FROM undecided WHERE state = 'received') AS received,
+               (SELECT count(*) FROM undecided WHERE state = 'dispatching') AS dispatching,
+               (SELECT count(*) FROM undecided WHERE state = 'unknown') AS unknown,
+               (SELECT count(*) FROM undecided WHERE state = 'proved_not_executed') AS proved_not_executed,
+               (SELECT count(*) FROM handoff_consumer.crm_operation WHERE state = 'review') AS review,
+               COALESCE((SELECT extract(epoch FROM now() - min(unknown_since))::float8 FROM undecided
+                          WHERE state = 'unknown'), 0) AS oldest_unknown_s,
+               (SELECT count(*) FROM handoff_consumer.review WHERE resolved_at IS NULL) AS conflicts,
+               (SELECT count(*) FROM handoff_consumer.dead_letter WHERE resolved_at IS NULL) AS dead_letters,
+               (SELECT count(*) FROM handoff_consumer.paused_action) AS paused"#;
+    #[derive(sqlx::FromRow)]
+    struct Row {
+        received: i64,
+        dispatching: i64,
+        unknown: i64,
+        proved_not_executed: i64,
+        review: i64,
+        oldest_unknown_s: f64,
+        conflicts: i64,
+        dead_letters: i64,
+        paused: i64,
+    }
+    let row: Row = sqlx::query_as(SAMPLE_DEPTHS).fetch_one(pool).await?;
+    let ledger = [
+        ("received", row.received),
+        ("dispatching", row.dispatching),
+        ("unknown", row.unknown),
+        ("proved_not_executed", row.proved_not_executed),
+        ("review", row.review),
+    ]
+    .into_iter()
+    .collect();
+    Ok(DepthSample {
+        ledger,
+        oldest_unknown_s: row.oldest_unknown_s,
+        conflicts: row.conflicts,
+        dead_letters: row.dead_letters,
+        paused: row.paused,
+        pending_messages: 0,
+    })
+}
+
+/// A dead letter an operator asked to replay, locked for this transaction.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct StoredLetter {
+    pub id: i64,
+    pub stream_sequence: i64,
+    pub message_id: Option<String>,
+    pub deliveries: i64,
+    pub body: Vec<u8>,
+}
+
+/// Locks up to `limit` dead letters whose replay was requested and that are still unresolved
+/// (`SKIP LOCKED`: another replica's replays are left alone).
+pub async fn lock_replay_requests(conn: &mut PgConnection, limit: i64) -> Result<Vec<StoredLetter>, sqlx::Error> {
+    sqlx::query_as(
+        r#"SELECT id, stream_sequence, message_id, deliveries, body FROM handoff_consumer.dead_letter
+            WHERE replay_requested_at IS NOT NULL AND resolved_at IS NULL
+            ORDER BY id LIMIT $1
+              FOR UPDATE SKIP LOCKED"#,
+    )
+    .bind(limit)
+    .fetch_all(&mut *conn)
+    .await
+}
+
+/// Resolves replayed letters with their outcome (by whoever asked for the replay), and clears the
+/// request of those that still fail, noting why.
+pub async fn finish_replays(
+    conn: &mut PgConnection,
+    resolved: &[(i64, String)],
+    still_failing: &[(i64, String)],
+) -> Result<(), sqlx::Error> {
+    const FINISH_REPLAYS: &str = r#"
+        WITH resolved AS (
+            UPDATE handoff_consumer.dead_letter AS d
+               SET resolved_at = now(), resolved_by = d.replay_requested_by, resolution = u.resolution,
+                   replay_requested_at = NULL, last_replay = u.resolution
+              FROM UNNEST($1::bigint[], $2::text[]) AS u(id, resolution)
+             WHERE d.id = u.id
+        )
+        UPDATE handoff_consumer.dead_letter AS d
+           SET replay_requested_at = NULL, last_replay = u.note
+          FROM UNNEST($3::bigint[], $4::text[]) AS u(id, note)
+         WHERE d.id = u.id"#;
+    sqlx::query(FINISH_REPLAYS)
+        .bind(resolved.iter().map(|r| r.0).collect::<Vec<_>>())
+        .bind(resolved.iter().map(|r| r.1.as_str()).collect::<Vec<_>>())
+        .bind(still_failing.iter().map(|r| r.0).collect::<Vec<_>>())
+        .bind(still_failing.iter().map(|r| r.1.as_str()).collect::<Vec<_>>())
+        .execute(&mut *conn)
+        .await?;
+    Ok(())
+}

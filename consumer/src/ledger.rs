@@ -123,6 +123,9 @@ pub async fn claim_due(
              WHERE state IN ('received', 'dispatching', 'unknown', 'proved_not_executed')
                AND next_attempt_at <= now()
                AND account = $4
+               -- A paused action type's calls wait (readbacks too: an operator is looking).
+               AND NOT EXISTS (SELECT 1 FROM handoff_consumer.paused_action AS p
+                                WHERE p.action_type = split_part(operation_key, ':', 1) || ':' || split_part(operation_key, ':', 2))
              ORDER BY next_attempt_at
              LIMIT $1
                FOR UPDATE SKIP LOCKED

@@ -15,6 +15,7 @@ pub mod crm;
 pub mod dispatcher;
 pub mod inbox;
 pub mod ledger;
+pub mod metrics;
 pub mod remote;
 pub mod review;
 pub mod subscription;
@@ -22,6 +23,9 @@ pub mod subscription;
 pub use consumer::{Consumer, ConsumerFaults, ConsumerSettings, Handled};
 pub use crm::{Crm, LocalCrm};
 pub use subscription::SubscriptionSettings;
+
+/// How often a replica logs a progress line at info, so `docker logs` shows life.
+pub const PROGRESS_INTERVAL: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// The consumer schema migrations, embedded in the binary.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");

@@ -7,6 +7,7 @@ use handoff_consumer::dispatcher::Dispatcher;
 use handoff_consumer::ledger::LedgerCrm;
 use handoff_consumer::remote::HttpCrm;
 use handoff_consumer::{Consumer, LocalCrm};
+use handoff_shared::observe::Endpoint;
 use tokio_util::sync::CancellationToken;
 
 fn main() -> anyhow::Result<()> {
@@ -25,6 +26,7 @@ async fn run(config: ConsumerConfig) -> anyhow::Result<()> {
     match config.crm.mode {
         CrmMode::Local => {
             let consumer = Consumer::build(pool, client.clone(), &subscription, LocalCrm, config.settings()).await?;
+            serve_endpoint(&config, consumer.endpoint(), &token).await?;
             consumer.run_until_stopped(token).await?;
         }
         CrmMode::Http => {
@@ -32,11 +34,27 @@ async fn run(config: ConsumerConfig) -> anyhow::Result<()> {
             let ledger = LedgerCrm { account: config.crm.account.clone() };
             let consumer =
                 Consumer::build(pool.clone(), client.clone(), &subscription, ledger, config.settings()).await?;
-            let dispatcher = Dispatcher::new(pool, crm, config.crm.dispatch_settings());
+            serve_endpoint(&config, consumer.endpoint(), &token).await?;
+            let dispatcher = Dispatcher::new(pool, crm, config.crm.dispatch_settings()).observed_by(
+                consumer.metrics(),
+                consumer.liveness(),
+                config.observe.stall_after(),
+            );
             // Either half failing stops the replica; the orchestrator restarts it.
             tokio::try_join!(consumer.run_until_stopped(token.clone()), dispatcher.run_until_stopped(token.clone()))?;
         }
     }
     client.drain().await?;
+    Ok(())
+}
+
+/// Serves /metrics, /healthz and /readyz on `--http-addr` (unless it is empty) until `token` is
+/// cancelled. Binding fails at startup, naming the setting.
+async fn serve_endpoint(config: &ConsumerConfig, endpoint: Endpoint, token: &CancellationToken) -> anyhow::Result<()> {
+    if let Some(addr) = config.http_addr.0 {
+        let listener = Endpoint::bind(addr, "--http-addr").await?;
+        tracing::info!(%addr, "serving /metrics, /healthz and /readyz");
+        tokio::spawn(endpoint.serve(listener, token.clone()));
+    }
     Ok(())
 }

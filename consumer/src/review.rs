@@ -90,21 +90,34 @@ pub async fn list(pool: &PgPool, states: &[&str]) -> Result<Vec<ReviewRow>, sqlx
     .await
 }
 
-/// Dead letters, oldest first.
+/// Unresolved dead letters, oldest first.
 pub async fn dead_letters(pool: &PgPool) -> Result<Vec<DeadLetterRow>, sqlx::Error> {
     sqlx::query_as(
         r#"SELECT id, stream_sequence, message_id, reason, deliveries, recorded_at
-             FROM handoff_consumer.dead_letter ORDER BY id"#,
+             FROM handoff_consumer.dead_letter WHERE resolved_at IS NULL ORDER BY id"#,
     )
     .fetch_all(pool)
     .await
 }
 
-/// Blocked outbox rows from the producer database.
+/// Unresolved conflicts, oldest first.
+pub async fn open_conflicts(pool: &PgPool) -> Result<Vec<ConflictRow>, sqlx::Error> {
+    sqlx::query_as(
+        r#"SELECT id, operation_key, reason, incoming_hash, existing_hash, stream_sequence, recorded_at,
+                  resolved_at, resolved_by, resolution
+             FROM handoff_consumer.review WHERE resolved_at IS NULL ORDER BY id"#,
+    )
+    .fetch_all(pool)
+    .await
+}
+
+/// Blocked outbox rows from the producer database (from the per-row path's index: blocked rows
+/// are never due, see the relay's migration `operability`).
 pub async fn blocked(outbox: &PgPool) -> Result<Vec<BlockedRow>, sqlx::Error> {
     sqlx::query_as(
         r#"SELECT operation_key, attempts, last_error, updated_at
-             FROM handoff.outbox WHERE state = 'blocked' ORDER BY updated_at"#,
+             FROM handoff.outbox WHERE retrying AND next_attempt_at = 'infinity' AND state = 'blocked'
+            ORDER BY updated_at"#,
     )
     .fetch_all(outbox)
     .await
@@ -173,12 +186,7 @@ async fn resolve(
     receipt: Option<&str>,
     new_state: &'static str,
 ) -> Result<(), ReviewError> {
-    if actor.trim().is_empty() {
-        return Err(ReviewError::Missing("actor"));
-    }
-    if reason.trim().is_empty() {
-        return Err(ReviewError::Missing("reason"));
-    }
+    require(actor, reason)?;
     let mut tx = pool.begin().await?;
     // Lock the row so a dispatcher cannot claim it between the check and the update.
     let current: Option<(String, bool)> = sqlx::query_as(
@@ -255,7 +263,7 @@ pub fn export(rows: &[ReviewRow], format: ExportFormat) -> anyhow::Result<String
 }
 
 /// RFC 4180 quoting, plus a leading `'` for cells a spreadsheet would run as a formula.
-fn csv_field(value: &str) -> String {
+pub fn csv_field(value: &str) -> String {
     let value =
         if value.starts_with(['=', '+', '-', '@', '\t', '\r']) { format!("'{value}") } else { value.to_owned() };
     if value.contains([',', '"', '\n', '\r']) { format!("\"{}\"", value.replace('"', "\"\"")) } else { value }
@@ -272,4 +280,231 @@ mod tests {
         assert_eq!(csv_field("say \"hi\""), "\"say \"\"hi\"\"\"");
         assert_eq!(csv_field("=SUM(A1)"), "'=SUM(A1)");
     }
+}
+
+/// Everything the consumer database holds about one key, for `handoff-admin explain`: in either
+/// CRM mode and in every end state (a dead-lettered message is found by its `Nats-Msg-Id`).
+#[derive(Debug, Clone, Serialize)]
+pub struct ConsumerRecord {
+    pub inbox: Option<InboxRow>,
+    /// The local CRM's task (`--crm local`).
+    pub task: Option<TaskRow>,
+    /// The remote CRM ledger row and its history (`--crm http`).
+    pub ledger: Option<History>,
+    pub conflicts: Vec<ConflictRow>,
+    pub dead_letters: Vec<DeadLetterRow>,
+    pub audit: Vec<AuditRow>,
+}
+
+/// The inbox row of a key.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct InboxRow {
+    pub payload_hash: String,
+    pub stream_sequence: i64,
+    pub outcome: String,
+    pub received_at: DateTime<Utc>,
+}
+
+/// A task in the local CRM store (no payload body).
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct TaskRow {
+    pub task_id: i64,
+    pub payload_hash: String,
+    pub created_at: DateTime<Utc>,
+}
+
+/// A conflict: the key arrived with content different from what was held.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct ConflictRow {
+    pub id: i64,
+    pub operation_key: String,
+    pub reason: String,
+    pub incoming_hash: String,
+    pub existing_hash: String,
+    pub stream_sequence: i64,
+    pub recorded_at: DateTime<Utc>,
+    pub resolved_at: Option<DateTime<Utc>>,
+    pub resolved_by: Option<String>,
+    pub resolution: Option<String>,
+}
+
+/// Everything about `key` in the consumer's database.
+pub async fn consumer_record(pool: &PgPool, key: &str) -> Result<ConsumerRecord, sqlx::Error> {
+    let inbox = sqlx::query_as(
+        "SELECT payload_hash, stream_sequence, outcome, received_at FROM handoff_consumer.inbox WHERE operation_key = $1",
+    )
+    .bind(key)
+    .fetch_optional(pool)
+    .await?;
+    let task = sqlx::query_as(
+        "SELECT task_id, payload_hash, created_at FROM handoff_consumer.crm_task WHERE operation_key = $1",
+    )
+    .bind(key)
+    .fetch_optional(pool)
+    .await?;
+    let ledger = match history(pool, key).await {
+        Ok(history) => Some(history),
+        Err(ReviewError::NotFound(_)) => None,
+        Err(ReviewError::Database(error)) => return Err(error),
+        Err(_) => None,
+    };
+    let conflicts = sqlx::query_as(
+        r#"SELECT id, operation_key, reason, incoming_hash, existing_hash, stream_sequence, recorded_at,
+                  resolved_at, resolved_by, resolution
+             FROM handoff_consumer.review WHERE operation_key = $1 ORDER BY id"#,
+    )
+    .bind(key)
+    .fetch_all(pool)
+    .await?;
+    let dead_letters = sqlx::query_as(
+        r#"SELECT id, stream_sequence, message_id, reason, deliveries, recorded_at
+             FROM handoff_consumer.dead_letter WHERE message_id = $1 ORDER BY id"#,
+    )
+    .bind(key)
+    .fetch_all(pool)
+    .await?;
+    // The ledger's history already carries its resolutions; these are the others (conflicts,
+    // dead letters, pauses).
+    let audit = if ledger.is_some() {
+        Vec::new()
+    } else {
+        sqlx::query_as(
+            r#"SELECT actor, action, reason, receipt, at FROM handoff_consumer.audit
+                WHERE operation_key = $1
+                   OR action_type = split_part($1, ':', 1) || ':' || split_part($1, ':', 2)
+                ORDER BY id"#,
+        )
+        .bind(key)
+        .fetch_all(pool)
+        .await?
+    };
+    Ok(ConsumerRecord { inbox, task, ledger, conflicts, dead_letters, audit })
+}
+
+/// Consumer-side findings of one chunk of inbox rows (see [`inbox_chunk`]).
+#[derive(Debug, Clone, Default)]
+pub struct InboxChunk {
+    /// Keys in scope, with their stream sequence, in key order.
+    pub keys: Vec<(String, i64)>,
+    /// Keys recorded as handled whose task (local) or ledger row (remote) is missing.
+    pub task_missing: Vec<String>,
+    /// Where the next chunk starts; `None` at the end.
+    pub next: Option<String>,
+}
+
+/// The next `limit` inbox rows after `after` (key order, the primary key), restricted to rows
+/// received since `since` and with a stream sequence in `first..=last`; and which of them lack
+/// their task or ledger row.
+pub async fn inbox_chunk(
+    pool: &PgPool,
+    after: &str,
+    limit: i64,
+    since: Option<DateTime<Utc>>,
+    first: i64,
+    last: i64,
+) -> Result<InboxChunk, sqlx::Error> {
+    const INBOX_CHUNK: &str = r#"
+        WITH chunk AS MATERIALIZED (
+            SELECT operation_key, stream_sequence, outcome, received_at FROM handoff_consumer.inbox
+             WHERE operation_key > $1 ORDER BY operation_key LIMIT $2
+        )
+        SELECT c.operation_key, c.stream_sequence,
+               ($3::timestamptz IS NULL OR c.received_at >= $3) AND c.stream_sequence BETWEEN $4 AND $5 AS in_scope,
+               CASE c.outcome
+                    WHEN 'task_created' THEN NOT EXISTS (SELECT 1 FROM handoff_consumer.crm_task AS t
+                                                          WHERE t.operation_key = c.operation_key)
+                    WHEN 'task_existed' THEN NOT EXISTS (SELECT 1 FROM handoff_consumer.crm_task AS t
+                                                          WHERE t.operation_key = c.operation_key)
+                    WHEN 'accepted' THEN NOT EXISTS (SELECT 1 FROM handoff_consumer.crm_operation AS o
+                                                      WHERE o.operation_key = c.operation_key)
+                    ELSE false END AS task_missing
+          FROM chunk AS c ORDER BY c.operation_key"#;
+    let rows: Vec<(String, i64, bool, bool)> =
+        sqlx::query_as(INBOX_CHUNK).bind(after).bind(limit).bind(since).bind(first).bind(last).fetch_all(pool).await?;
+    let next = (rows.len() as i64 >= limit).then(|| rows.last().map(|r| r.0.clone())).flatten();
+    let mut chunk = InboxChunk { next, ..InboxChunk::default() };
+    for (key, sequence, in_scope, task_missing) in rows {
+        if !in_scope {
+            continue;
+        }
+        if task_missing {
+            chunk.task_missing.push(key.clone());
+        }
+        chunk.keys.push((key, sequence));
+    }
+    Ok(chunk)
+}
+
+/// Which of `keys` the inbox holds.
+pub async fn received_keys(pool: &PgPool, keys: &[String]) -> Result<std::collections::HashSet<String>, sqlx::Error> {
+    let rows: Vec<String> =
+        sqlx::query_scalar("SELECT operation_key FROM handoff_consumer.inbox WHERE operation_key = ANY($1::text[])")
+            .bind(keys)
+            .fetch_all(pool)
+            .await?;
+    Ok(rows.into_iter().collect())
+}
+
+/// Pauses CRM calls of an action type (`namespace:action`): the dispatchers stop claiming its rows
+/// at their next claim. Returns false when it was paused already (the audit row is added anyway).
+pub async fn pause(pool: &PgPool, action_type: &str, actor: &str, reason: &str) -> Result<bool, ReviewError> {
+    require(actor, reason)?;
+    let mut tx = pool.begin().await?;
+    let added = sqlx::query(
+        "INSERT INTO handoff_consumer.paused_action (action_type, paused_by, reason) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
+    )
+    .bind(action_type)
+    .bind(actor.trim())
+    .bind(reason.trim())
+    .execute(&mut *tx)
+    .await?
+    .rows_affected()
+        > 0;
+    audit_action_type(&mut tx, action_type, actor, "pause", reason).await?;
+    tx.commit().await?;
+    Ok(added)
+}
+
+/// Resumes CRM calls of an action type. Returns false when it was not paused.
+pub async fn resume(pool: &PgPool, action_type: &str, actor: &str, reason: &str) -> Result<bool, ReviewError> {
+    require(actor, reason)?;
+    let mut tx = pool.begin().await?;
+    let removed = sqlx::query("DELETE FROM handoff_consumer.paused_action WHERE action_type = $1")
+        .bind(action_type)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected()
+        > 0;
+    audit_action_type(&mut tx, action_type, actor, "resume", reason).await?;
+    tx.commit().await?;
+    // Wake the dispatchers: the rows are due already.
+    sqlx::query("SELECT pg_notify($1, '')").bind(crate::dispatcher::NOTIFY_CHANNEL).execute(pool).await?;
+    Ok(removed)
+}
+
+fn require(actor: &str, reason: &str) -> Result<(), ReviewError> {
+    if actor.trim().is_empty() {
+        return Err(ReviewError::Missing("actor"));
+    }
+    if reason.trim().is_empty() {
+        return Err(ReviewError::Missing("reason"));
+    }
+    Ok(())
+}
+
+async fn audit_action_type(
+    conn: &mut sqlx::PgConnection,
+    action_type: &str,
+    actor: &str,
+    action: &str,
+    reason: &str,
+) -> Result<(), sqlx::Error> {
+    sqlx::query("INSERT INTO handoff_consumer.audit (action_type, actor, action, reason) VALUES ($1, $2, $3, $4)")
+        .bind(action_type)
+        .bind(actor.trim())
+        .bind(action)
+        .bind(reason.trim())
+        .execute(&mut *conn)
+        .await?;
+    Ok(())
 }

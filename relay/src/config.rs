@@ -4,10 +4,14 @@ use std::time::Duration;
 
 use async_nats::jetstream::stream::StorageType;
 use handoff_shared::Backoff;
-use handoff_shared::config::{DatabaseArgs, LogFormat, NatsArgs, RuntimeArgs};
+use handoff_shared::config::{DatabaseArgs, LogFormat, NatsArgs, ObserveArgs, RuntimeArgs};
+use handoff_shared::observe::HttpAddr;
 use handoff_shared::subject::Subjects;
 
-use crate::{RelaySettings, StreamSettings};
+use crate::{ReconcileSettings, RelaySettings, StreamSettings};
+
+/// Where the relay serves /metrics, /healthz and /readyz unless told otherwise.
+pub const DEFAULT_HTTP_ADDR: &str = "0.0.0.0:9185";
 
 /// Publishes approved actions from the Postgres outbox to NATS JetStream.
 #[derive(Debug, clap::Parser)]
@@ -72,6 +76,24 @@ pub struct RelayConfig {
     /// range if it loses acknowledged ones.
     #[arg(long, env = "HANDOFF_RELAY_RETENTION_SECS", default_value_t = 7 * 24 * 3600)]
     pub retention_secs: u64,
+    /// Seconds between reconciliations of recently published rows against the stream (0 = off).
+    /// Each run reads the stream at every row's sequence; mismatches go to
+    /// handoff_reconcile_mismatches and a warning.
+    #[arg(long, env = "HANDOFF_RECONCILE_INTERVAL_SECS", default_value_t = 0)]
+    pub reconcile_interval_secs: u64,
+    /// How far back each periodic reconciliation looks, seconds of publishing.
+    #[arg(
+        long,
+        env = "HANDOFF_RECONCILE_LOOKBACK_SECS",
+        default_value_t = 3600,
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    pub reconcile_lookback_secs: u64,
+    /// Address of the /metrics, /healthz and /readyz endpoint; empty turns it off.
+    #[arg(long, env = "HANDOFF_HTTP_ADDR", default_value = DEFAULT_HTTP_ADDR)]
+    pub http_addr: HttpAddr,
+    #[command(flatten)]
+    pub observe: ObserveArgs,
     /// CloudEvents source attribute of published events.
     #[arg(long, env = "HANDOFF_EVENT_SOURCE", default_value = "/handoff/relay")]
     pub event_source: String,
@@ -113,6 +135,12 @@ impl RelayConfig {
             source: self.event_source.clone(),
             held_back: Duration::from_secs_f64(self.held_back_secs),
             retention: (self.retention_secs > 0).then(|| Duration::from_secs(self.retention_secs)),
+            stall_after: self.observe.stall_after(),
+            sample_interval: self.observe.sample_interval(),
+            reconcile: (self.reconcile_interval_secs > 0).then(|| ReconcileSettings {
+                interval: Duration::from_secs(self.reconcile_interval_secs),
+                lookback: Duration::from_secs(self.reconcile_lookback_secs),
+            }),
         }
     }
 }

@@ -3,6 +3,7 @@
 use clap::Parser;
 use handoff_relay::Relay;
 use handoff_relay::config::RelayConfig;
+use handoff_shared::observe::Endpoint;
 use tokio_util::sync::CancellationToken;
 
 fn main() -> anyhow::Result<()> {
@@ -18,6 +19,11 @@ async fn run(config: RelayConfig) -> anyhow::Result<()> {
     let relay = Relay::build(pool, client.clone(), config.stream_settings()?, config.relay_settings()).await?;
     let token = CancellationToken::new();
     tokio::spawn(handoff_shared::config::shutdown_on_signal(token.clone()));
+    if let Some(addr) = config.http_addr.0 {
+        let listener = Endpoint::bind(addr, "--http-addr").await?;
+        tracing::info!(%addr, "serving /metrics, /healthz and /readyz");
+        tokio::spawn(relay.endpoint().serve(listener, token.clone()));
+    }
     relay.run_until_stopped(token).await?;
     // Flush anything still buffered in the client before exiting.
     client.drain().await?;

@@ -9,7 +9,8 @@
 //!   `FOR UPDATE SKIP LOCKED` on the `outbox_retry_due` index.
 //!
 //! After the network, one statement ([`settle`]) marks the published rows, reschedules or blocks
-//! the failed ones and releases the range. Every relay statement is short and covers a whole batch;
+//! the failed ones and releases the range. Blocked rows stay on the per-row path, never due
+//! (`next_attempt_at = 'infinity'`), so they are counted from its small index. Every relay statement is short and covers a whole batch;
 //! no transaction is ever open while a message is on the wire.
 
 use std::time::Duration;
@@ -458,6 +459,9 @@ pub enum Failure {
     RetryAfter(Duration),
     /// Stops for an operator: budget exhausted or a permanent error.
     Block,
+    /// Its action type is paused: waits, never due, with the attempt not counted, until the action
+    /// type is resumed ([`release_resumed`]).
+    Hold,
 }
 
 /// What [`settle`] wrote.
@@ -469,7 +473,8 @@ pub struct Settled {
 
 /// The settle statement (see [`settle`]): `$1` stream; published rows `$2` ids, `$3` sequences,
 /// `$4` duplicate flags, `$5` attempts; computed hashes `$6` keys, `$7` hashes; failed rows `$8` ids,
-/// `$9` states, `$10` delays (s), `$11` errors, `$12` attempts; `$13` owner; `$14` range (or NULL).
+/// `$9` states (`pending`, `blocked`, or `held`: pending and never due), `$10` delays (s), `$11`
+/// errors, `$12` attempts; `$13` owner; `$14` range (or NULL).
 pub const SETTLE: &str = r#"
     WITH hashed AS (
         UPDATE handoff.approved_action AS a
@@ -492,8 +497,11 @@ pub const SETTLE: &str = r#"
         SELECT EXISTS (SELECT 1 FROM handoff.relay_batch WHERE id = $14 AND lease_owner = $13) AS held
     ), failed AS (
         UPDATE handoff.outbox AS o
-           SET state = u.state, attempts = u.attempts, retrying = (u.state = 'pending'),
-               next_attempt_at = now() + make_interval(secs => u.delay),
+           SET state = CASE WHEN u.state = 'held' THEN 'pending' ELSE u.state END,
+               attempts = u.attempts, retrying = true,
+               -- Blocked and held rows are never due (see the migration `operability`).
+               next_attempt_at = CASE WHEN u.state IN ('blocked', 'held') THEN 'infinity'
+                                      ELSE now() + make_interval(secs => u.delay) END,
                last_error = u.error, lease_owner = NULL, updated_at = now()
           FROM UNNEST($8::bigint[], $9::text[], $10::float8[], $11::text[], $12::int[])
                    AS u(id, state, delay, error, attempts),
@@ -564,13 +572,14 @@ pub async fn settle(
         .map(|r| match r.outcome {
             Failure::RetryAfter(_) => "pending",
             Failure::Block => "blocked",
+            Failure::Hold => "held",
         })
         .collect();
     let delays: Vec<f64> = failed
         .iter()
         .map(|r| match r.outcome {
             Failure::RetryAfter(d) => d.as_secs_f64(),
-            Failure::Block => 0.0,
+            Failure::Block | Failure::Hold => 0.0,
         })
         .collect();
     sqlx::query_as(SETTLE)
@@ -701,4 +710,325 @@ pub async fn count_by_state(pool: &PgPool) -> Result<OutboxCounts, sqlx::Error> 
     )
     .fetch_one(pool)
     .await
+}
+
+/// The backlog as the sampler sees it (see [`sample_backlog`]).
+#[derive(Debug, Clone, Default, PartialEq, sqlx::FromRow)]
+pub struct BacklogSample {
+    /// Rows not yet acknowledged by the broker (new, in a claimed range, or retrying).
+    pub pending: i64,
+    pub blocked: i64,
+    /// Age of the oldest pending row, seconds (0 when none).
+    pub oldest_pending_s: f64,
+    /// Committed rows waiting behind an older open write transaction.
+    pub held_back: i64,
+    /// Age of that transaction, seconds, when the role may see it in `pg_stat_activity`;
+    /// otherwise the age of the oldest held-back row (how long it has held rows back at least).
+    pub held_back_s: f64,
+    /// The transaction holding rows back: `pid`, application and database, when visible.
+    pub held_back_by: Option<String>,
+    /// Action types paused by an operator.
+    pub paused: i64,
+}
+
+/// Counts the backlog without scanning published rows: new rows after the cursor and rows in
+/// claimed ranges are read from the commit-order index from the cursor on (so the cost is the
+/// backlog, not the table); retrying, held and blocked rows from the per-row path's small index.
+/// `NOT retrying` keeps rows rescued to the per-row path from being counted twice.
+pub async fn sample_backlog(pool: &PgPool) -> Result<BacklogSample, sqlx::Error> {
+    const SAMPLE_BACKLOG: &str = r#"
+        WITH cursor AS MATERIALIZED (
+            SELECT transaction_id, outbox_id FROM handoff.relay_cursor
+        ), horizon AS MATERIALIZED (
+            SELECT pg_snapshot_xmin(pg_current_snapshot()) AS xmin
+        ), unclaimed AS MATERIALIZED (
+            SELECT o.created_at, o.transaction_id >= (SELECT xmin FROM horizon) AS held_back
+              FROM handoff.outbox AS o
+             WHERE (o.transaction_id, o.id) > ((SELECT transaction_id FROM cursor), (SELECT outbox_id FROM cursor))
+               AND o.state = 'pending' AND NOT o.retrying
+        ), in_ranges AS MATERIALIZED (
+            SELECT o.created_at
+              FROM handoff.relay_batch AS b
+              JOIN handoff.outbox AS o
+                ON (o.transaction_id, o.id) > (b.after_transaction_id, b.after_outbox_id)
+               AND (o.transaction_id, o.id) <= (b.last_transaction_id, b.last_outbox_id)
+             WHERE o.state = 'pending' AND NOT o.retrying
+        ), per_row AS MATERIALIZED (
+            SELECT o.created_at, o.state
+              FROM handoff.outbox AS o
+             WHERE o.retrying
+        ), holder AS (
+            SELECT a.pid, a.application_name, a.datname, a.xact_start
+              FROM pg_stat_activity AS a
+             WHERE a.backend_xid IS NOT NULL
+               AND a.backend_xid::text::bigint = (SELECT xmin FROM horizon)::text::bigint % 4294967296
+             LIMIT 1
+        )
+        SELECT (SELECT count(*) FROM unclaimed) + (SELECT count(*) FROM in_ranges)
+                 + (SELECT count(*) FROM per_row WHERE state = 'pending') AS pending,
+               (SELECT count(*) FROM per_row WHERE state = 'blocked') AS blocked,
+               COALESCE(extract(epoch FROM now() - LEAST(
+                   (SELECT min(created_at) FROM unclaimed),
+                   (SELECT min(created_at) FROM in_ranges),
+                   (SELECT min(created_at) FROM per_row WHERE state = 'pending')))::float8, 0) AS oldest_pending_s,
+               (SELECT count(*) FROM unclaimed WHERE held_back) AS held_back,
+               CASE WHEN EXISTS (SELECT 1 FROM unclaimed WHERE held_back) THEN
+                   COALESCE(extract(epoch FROM now() - (SELECT xact_start FROM holder))::float8,
+                            extract(epoch FROM now() - (SELECT min(created_at) FROM unclaimed WHERE held_back))::float8)
+               ELSE 0 END AS held_back_s,
+               CASE WHEN EXISTS (SELECT 1 FROM unclaimed WHERE held_back) THEN
+                   (SELECT format('pid %s (%s) in database %s', pid, COALESCE(NULLIF(application_name, ''), 'no application name'),
+                                  COALESCE(datname, '?')) FROM holder)
+               END AS held_back_by,
+               (SELECT count(*) FROM handoff.paused_action) AS paused"#;
+    sqlx::query_as(SAMPLE_BACKLOG).fetch_one(pool).await
+}
+
+/// One key on the producer side, for `handoff-admin explain`: the approval, the outbox row (gone
+/// after retention for published rows), and operator actions.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ProducerRecord {
+    pub approval: Option<ApprovalRow>,
+    pub outbox: Option<OutboxRow>,
+    pub audit: Vec<AuditRow>,
+}
+
+/// The approved action as recorded (no payload body: it may hold personal data).
+#[derive(Debug, Clone, serde::Serialize, sqlx::FromRow)]
+pub struct ApprovalRow {
+    pub payload_hash: Option<String>,
+    pub approved_by: String,
+    pub approved_at: DateTime<Utc>,
+    pub recorded_at: DateTime<Utc>,
+}
+
+/// The outbox row as an operator reads it.
+#[derive(Debug, Clone, serde::Serialize, sqlx::FromRow)]
+pub struct OutboxRow {
+    pub state: String,
+    pub attempts: i32,
+    /// `None` when the row is never due by itself (blocked, or held while its action type is paused).
+    pub next_attempt_at: Option<DateTime<Utc>>,
+    pub last_error: Option<String>,
+    pub stream: Option<String>,
+    pub stream_sequence: Option<i64>,
+    pub duplicate: Option<bool>,
+    pub published_at: Option<DateTime<Utc>>,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+    /// Claimed by a relay right now (a range or a row lease that has not run out).
+    pub leased: bool,
+}
+
+/// An operator action on the producer side.
+#[derive(Debug, Clone, serde::Serialize, sqlx::FromRow)]
+pub struct AuditRow {
+    pub operation_key: Option<String>,
+    pub action_type: Option<String>,
+    pub actor: String,
+    pub action: String,
+    pub reason: String,
+    pub at: DateTime<Utc>,
+}
+
+/// Everything the producer database holds about `key`.
+pub async fn producer_record(pool: &PgPool, key: &str) -> Result<ProducerRecord, sqlx::Error> {
+    let approval = sqlx::query_as(
+        r#"SELECT payload_hash, approved_by, approved_at, recorded_at
+             FROM handoff.approved_action WHERE operation_key = $1"#,
+    )
+    .bind(key)
+    .fetch_optional(pool)
+    .await?;
+    let outbox = sqlx::query_as(
+        r#"SELECT o.state, o.attempts, NULLIF(o.next_attempt_at, 'infinity') AS next_attempt_at, o.last_error,
+                  o.stream, o.stream_sequence, o.duplicate, o.published_at, o.created_at, o.updated_at,
+                  (o.state = 'pending' AND (
+                      (o.retrying AND o.lease_owner IS NOT NULL AND o.next_attempt_at > now())
+                      OR EXISTS (SELECT 1 FROM handoff.relay_batch AS b
+                                  WHERE (o.transaction_id, o.id) > (b.after_transaction_id, b.after_outbox_id)
+                                    AND (o.transaction_id, o.id) <= (b.last_transaction_id, b.last_outbox_id)
+                                    AND b.lease_until > now()))) AS leased
+             FROM handoff.outbox AS o WHERE o.operation_key = $1"#,
+    )
+    .bind(key)
+    .fetch_optional(pool)
+    .await?;
+    let audit = sqlx::query_as(
+        r#"SELECT operation_key, action_type, actor, action, reason, at FROM handoff.audit
+            WHERE operation_key = $1
+               OR action_type = split_part($1, ':', 1) || ':' || split_part($1, ':', 2)
+            ORDER BY id"#,
+    )
+    .bind(key)
+    .fetch_all(pool)
+    .await?;
+    Ok(ProducerRecord { approval, outbox, audit })
+}
+
+/// Which of `keys` have an approved action (for reconciliation: a key the consumer received that
+/// the producer never recorded).
+pub async fn recorded_keys(pool: &PgPool, keys: &[String]) -> Result<std::collections::HashSet<String>, sqlx::Error> {
+    let rows: Vec<String> =
+        sqlx::query_scalar("SELECT operation_key FROM handoff.approved_action WHERE operation_key = ANY($1::text[])")
+            .bind(keys)
+            .fetch_all(pool)
+            .await?;
+    Ok(rows.into_iter().collect())
+}
+
+/// An action type an operator paused.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, sqlx::FromRow)]
+pub struct PausedAction {
+    pub action_type: String,
+    pub paused_by: String,
+    pub reason: String,
+    pub paused_at: DateTime<Utc>,
+}
+
+/// The paused action types, by name.
+pub async fn paused_action_types(pool: &PgPool) -> Result<Vec<PausedAction>, sqlx::Error> {
+    sqlx::query_as("SELECT action_type, paused_by, reason, paused_at FROM handoff.paused_action ORDER BY action_type")
+        .fetch_all(pool)
+        .await
+}
+
+/// Makes held rows due again whose action type is no longer paused, in one statement (the tail of
+/// the per-row path's index: held rows are never due). The relay runs it with every sample, so a
+/// `resume` takes effect within the sample interval even if a relay held a row on a stale view of
+/// the pauses. Returns how many rows were released.
+pub async fn release_resumed(pool: &PgPool) -> Result<u64, sqlx::Error> {
+    const RELEASE_RESUMED: &str = r#"
+        UPDATE handoff.outbox AS o
+           SET next_attempt_at = now(), last_error = 'released: action type resumed', updated_at = now()
+         WHERE o.retrying AND o.next_attempt_at = 'infinity' AND o.state = 'pending'
+           AND NOT EXISTS (SELECT 1 FROM handoff.paused_action AS p
+                            WHERE p.action_type = split_part(o.operation_key, ':', 1) || ':' || split_part(o.operation_key, ':', 2))"#;
+    Ok(sqlx::query(RELEASE_RESUMED).execute(pool).await?.rows_affected())
+}
+
+/// Why an operator action on the producer side was refused. Nothing was changed.
+#[derive(Debug, thiserror::Error)]
+pub enum OperatorError {
+    #[error("no outbox row for operation key {0}")]
+    NotFound(String),
+    #[error("operation key {key} is {state}, not blocked; only blocked rows can be unblocked")]
+    NotBlocked { key: String, state: String },
+    #[error("{0:?} is not an action type (namespace:action)")]
+    BadActionType(String),
+    /// Every operator action names who made it and why.
+    #[error("{0} must not be empty")]
+    Missing(&'static str),
+    #[error("producer database error")]
+    Database(#[from] sqlx::Error),
+}
+
+fn require(actor: &str, reason: &str) -> Result<(), OperatorError> {
+    if actor.trim().is_empty() {
+        return Err(OperatorError::Missing("actor"));
+    }
+    if reason.trim().is_empty() {
+        return Err(OperatorError::Missing("reason"));
+    }
+    Ok(())
+}
+
+/// Puts a blocked row back on the per-row path, due now, with a fresh attempt budget and an audit
+/// row. A row blocked because its payload no longer matches its approval is blocked again at its
+/// next claim: restore the approved payload first (or approve a new key version).
+pub async fn unblock(pool: &PgPool, key: &str, actor: &str, reason: &str) -> Result<(), OperatorError> {
+    require(actor, reason)?;
+    let mut tx = pool.begin().await?;
+    let state: Option<String> =
+        sqlx::query_scalar("SELECT state FROM handoff.outbox WHERE operation_key = $1 FOR UPDATE")
+            .bind(key)
+            .fetch_optional(&mut *tx)
+            .await?;
+    match state.as_deref() {
+        None => return Err(OperatorError::NotFound(key.to_owned())),
+        Some("blocked") => {}
+        Some(other) => return Err(OperatorError::NotBlocked { key: key.to_owned(), state: other.to_owned() }),
+    }
+    sqlx::query(
+        r#"UPDATE handoff.outbox
+              SET state = 'pending', retrying = true, attempts = 0, next_attempt_at = now(), lease_owner = NULL,
+                  last_error = 'unblocked by ' || $2 || ': ' || $3 || ' (was: ' || COALESCE(last_error, '?') || ')',
+                  updated_at = now()
+            WHERE operation_key = $1"#,
+    )
+    .bind(key)
+    .bind(actor.trim())
+    .bind(reason.trim())
+    .execute(&mut *tx)
+    .await?;
+    audit(&mut tx, Some(key), None, actor, "unblock", reason).await?;
+    tx.commit().await?;
+    Ok(())
+}
+
+/// Pauses an action type: relays hold its rows (within their sample interval) without counting
+/// attempts or blocking them. Pausing a paused type only adds the audit row.
+pub async fn pause(pool: &PgPool, action_type: &str, actor: &str, reason: &str) -> Result<bool, OperatorError> {
+    require(actor, reason)?;
+    check_action_type(action_type)?;
+    let mut tx = pool.begin().await?;
+    let added = sqlx::query(
+        "INSERT INTO handoff.paused_action (action_type, paused_by, reason) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
+    )
+    .bind(action_type)
+    .bind(actor.trim())
+    .bind(reason.trim())
+    .execute(&mut *tx)
+    .await?
+    .rows_affected()
+        > 0;
+    audit(&mut tx, None, Some(action_type), actor, "pause", reason).await?;
+    tx.commit().await?;
+    Ok(added)
+}
+
+/// Resumes an action type: relays release its held rows within their sample interval.
+pub async fn resume(pool: &PgPool, action_type: &str, actor: &str, reason: &str) -> Result<bool, OperatorError> {
+    require(actor, reason)?;
+    check_action_type(action_type)?;
+    let mut tx = pool.begin().await?;
+    let removed = sqlx::query("DELETE FROM handoff.paused_action WHERE action_type = $1")
+        .bind(action_type)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected()
+        > 0;
+    audit(&mut tx, None, Some(action_type), actor, "resume", reason).await?;
+    tx.commit().await?;
+    Ok(removed)
+}
+
+/// `namespace:action`, as the key grammar spells those two parts.
+pub fn check_action_type(action_type: &str) -> Result<(), OperatorError> {
+    let probe = format!("{action_type}:v1:x");
+    match probe.parse::<OperationKey>() {
+        Ok(key) if key.action_type() == action_type => Ok(()),
+        _ => Err(OperatorError::BadActionType(action_type.to_owned())),
+    }
+}
+
+async fn audit(
+    conn: &mut PgConnection,
+    key: Option<&str>,
+    action_type: Option<&str>,
+    actor: &str,
+    action: &str,
+    reason: &str,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO handoff.audit (operation_key, action_type, actor, action, reason) VALUES ($1, $2, $3, $4, $5)",
+    )
+    .bind(key)
+    .bind(action_type)
+    .bind(actor.trim())
+    .bind(action)
+    .bind(reason.trim())
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
 }

@@ -66,6 +66,23 @@ pub fn is_permanent(error: &PublishError) -> bool {
     matches!(error.kind(), PublishErrorKind::MaxPayloadExceeded)
 }
 
+/// Every value [`failure_class`] returns.
+pub const FAILURE_CLASSES: [&str; 6] =
+    ["timeout", "no_responders", "connection", "max_payload", "client_backpressure", "other"];
+
+/// The `class` label of a failed publish in `handoff_relay_publish_failures_total`.
+pub fn failure_class(error: &PublishError) -> &'static str {
+    match error.kind() {
+        PublishErrorKind::TimedOut => "timeout",
+        // "No responders": the stream has no leader right now (elections, restarts).
+        PublishErrorKind::StreamNotFound => "no_responders",
+        PublishErrorKind::BrokenPipe => "connection",
+        PublishErrorKind::MaxPayloadExceeded => "max_payload",
+        PublishErrorKind::MaxAckPending => "client_backpressure",
+        _ => "other",
+    }
+}
+
 /// Publishes every message pipelined: all are sent before any PubAck is awaited, so a batch costs
 /// one round trip, not one per message. Results come back in input order.
 pub async fn publish_pipelined(

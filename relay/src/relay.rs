@@ -9,20 +9,26 @@
 //! as `published` (with its stream sequence) or `blocked` (with its reason). Published rows are
 //! deleted after the retention ([`RelaySettings::retention`]); blocked rows never are.
 
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
+use handoff_shared::logging::{Outage, error_chain};
+use handoff_shared::observe::{Check, Endpoint, Heartbeat, Liveness, Readiness};
 use handoff_shared::{Approval, Backoff, CanonicalPayload, Envelope, OperationKey, PayloadHash};
+use prometheus_client::registry::Registry;
 use sqlx::PgPool;
 use sqlx::postgres::{PgListener, PgPoolOptions};
 use tokio::sync::Notify;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use crate::metrics::{ClassLabel, KindLabel, ReasonLabel, RelayMetrics, action_type};
 use crate::outbox::{self, Claim, ClaimedRow, FailedRow, Failure, Lease, PublishedRow, RangeClaim, RetentionPosition};
 use crate::publisher::{self, Outgoing, StreamSettings};
+use crate::reconcile::{self, AtSequence, MismatchKind, Scope};
 
 /// The channel `handoff.notify_outbox()` signals on.
 pub const NOTIFY_CHANNEL: &str = "handoff_outbox";
@@ -42,7 +48,7 @@ async fn listen(
             notification = listener.recv() => match notification {
                 Ok(_) => wake.notify_one(),
                 Err(error) => {
-                    tracing::warn!(%error, "outbox listener failed; polling continues");
+                    tracing::warn!(error = %error_chain(&error), "outbox listener failed; polling continues");
                     tokio::select! {
                         _ = token.cancelled() => return Ok(()),
                         _ = tokio::time::sleep(pause_after_error) => {}
@@ -78,7 +84,25 @@ pub struct RelaySettings {
     /// keeps them forever. Long enough to re-publish a range if the broker loses acknowledged
     /// messages: the rows hold their stream sequence.
     pub retention: Option<Duration>,
+    /// A loop that has not completed an iteration for this long is reported stalled (`/healthz`).
+    pub stall_after: Duration,
+    /// How often the backlog gauges are sampled from the database.
+    pub sample_interval: Duration,
+    /// Periodic reconciliation of recently published rows against the stream; `None` is off.
+    pub reconcile: Option<ReconcileSettings>,
 }
+
+/// The relay's periodic reconciliation (see [`reconcile`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReconcileSettings {
+    /// Time between runs.
+    pub interval: Duration,
+    /// Each run checks rows published this long ago or later.
+    pub lookback: Duration,
+}
+
+/// How often the relay logs a progress line at info, so `docker logs` shows life.
+pub const PROGRESS_INTERVAL: Duration = Duration::from_secs(30);
 
 /// How often the relay checks whether the transactions holding rows back have ended, at first.
 /// The usual blocker is another short transaction committing (a few milliseconds, mostly its WAL
@@ -109,6 +133,9 @@ impl Default for RelaySettings {
             source: "/handoff/relay".into(),
             held_back: Duration::from_secs(1),
             retention: Some(Duration::from_secs(7 * 24 * 3600)),
+            stall_after: handoff_shared::observe::DEFAULT_STALL_AFTER,
+            sample_interval: handoff_shared::observe::DEFAULT_SAMPLE_INTERVAL,
+            reconcile: None,
         }
     }
 }
@@ -119,6 +146,9 @@ impl Default for RelaySettings {
 pub struct RelayFaults {
     /// Publish the batch, receive the PubAcks, then "die" before marking the rows published.
     pub crash_after_publish: AtomicU32,
+    /// The next worker iteration hangs (until shutdown), as a statement stuck on a lock would: its
+    /// heartbeat stops and `/healthz` turns 503.
+    pub stall_worker: AtomicU32,
 }
 
 impl RelayFaults {
@@ -140,11 +170,26 @@ pub struct Published {
     pub retried: usize,
     /// Rows moved to `blocked`.
     pub blocked: usize,
+    /// Rows held because their action type is paused.
+    pub held: usize,
     /// The claim was full: more rows may be due right now.
     pub more_due: bool,
     /// Committed rows wait behind an older transaction that is still open: the transaction id of
     /// the oldest of them (see [`outbox::Claim::held_back_by`]).
     pub held_back_by: Option<u64>,
+}
+
+/// Why a claimed row is blocked instead of published: the metric's reason and the stored error.
+#[derive(Debug)]
+struct Refusal {
+    reason: &'static str,
+    error: String,
+}
+
+impl Refusal {
+    fn new(reason: &'static str, error: impl Into<String>) -> Self {
+        Self { reason, error: error.into() }
+    }
 }
 
 /// Why a batch could not run. Rows already claimed stay leased and fall due again.
@@ -166,6 +211,15 @@ pub struct Relay {
     settings: RelaySettings,
     owner: String,
     faults: Arc<RelayFaults>,
+    metrics: RelayMetrics,
+    registry: Arc<Registry>,
+    liveness: Liveness,
+    /// Publishes failing (the broker), one warning at the start and one at the end.
+    publishing: Arc<Outage>,
+    /// Batches failing as a whole (the database).
+    batches: Arc<Outage>,
+    /// Action types paused by an operator, as of the last sample.
+    paused: Arc<std::sync::RwLock<HashSet<String>>>,
 }
 
 impl Relay {
@@ -211,7 +265,37 @@ impl Relay {
             );
         }
         let owner = format!("relay-{:016x}", rand::random::<u64>());
-        Ok(Self { pool, js, stream, settings, owner, faults: Arc::default() })
+        let paused = outbox::paused_action_types(&pool).await?.into_iter().map(|p| p.action_type).collect();
+        let mut registry = Registry::default();
+        let metrics = RelayMetrics::register(&mut registry);
+        Ok(Self {
+            pool,
+            js,
+            stream,
+            settings,
+            owner,
+            faults: Arc::default(),
+            metrics,
+            registry: Arc::new(registry),
+            liveness: Liveness::default(),
+            publishing: Arc::new(Outage::new("publishing to the stream")),
+            batches: Arc::new(Outage::new("outbox batches")),
+            paused: Arc::new(std::sync::RwLock::new(paused)),
+        })
+    }
+
+    /// This relay's metrics.
+    pub fn metrics(&self) -> &RelayMetrics {
+        &self.metrics
+    }
+
+    /// The `/metrics`, `/healthz` and `/readyz` endpoint of this relay.
+    pub fn endpoint(&self) -> Endpoint {
+        Endpoint {
+            registry: self.registry.clone(),
+            liveness: self.liveness.clone(),
+            readiness: Arc::new(RelayReadiness { relay: self.clone() }),
+        }
     }
 
     /// The fault hooks of this relay (tests only).
@@ -235,18 +319,37 @@ impl Relay {
         let mut failed = Vec::new();
         let mut sendable = Vec::with_capacity(rows.len());
         let mut outgoing = Vec::with_capacity(rows.len());
+        let paused = self.paused.read().unwrap_or_else(|e| e.into_inner()).clone();
+        let mut held_per_action: HashMap<String, u64> = HashMap::new();
         for row in rows {
+            let action = action_type(&row.operation_key);
+            if paused.contains(action) {
+                // Paused: hold it without counting this claim as an attempt.
+                *held_per_action.entry(action.to_owned()).or_default() += 1;
+                tracing::debug!(operation_key = %row.operation_key, "held: action type paused");
+                failed.push(FailedRow {
+                    id: row.id,
+                    attempts: row.attempts - 1,
+                    outcome: Failure::Hold,
+                    error: "held: action type paused".into(),
+                });
+                continue;
+            }
             match self.prepare(&row) {
                 Ok((message, computed_hash)) => {
                     outgoing.push(message);
                     sendable.push((row, computed_hash));
                 }
-                Err(reason) => failed.push(FailedRow {
-                    id: row.id,
-                    attempts: row.attempts,
-                    outcome: Failure::Block,
-                    error: reason,
-                }),
+                Err(refusal) => {
+                    tracing::warn!(operation_key = %row.operation_key, reason = refusal.reason, error = %refusal.error, "row blocked before publishing");
+                    self.metrics.blocked.get_or_create(&ReasonLabel { reason: refusal.reason }).inc();
+                    failed.push(FailedRow {
+                        id: row.id,
+                        attempts: row.attempts,
+                        outcome: Failure::Block,
+                        error: refusal.error,
+                    });
+                }
             }
         }
 
@@ -258,30 +361,51 @@ impl Relay {
         }
 
         let mut published = Vec::with_capacity(sendable.len());
-        for ((row, computed_hash), ack) in sendable.into_iter().zip(acks) {
+        let mut first_failure: Option<String> = None;
+        let mut published_per_action: HashMap<&str, u64> = HashMap::new();
+        let mut duplicates_per_action: HashMap<&str, u64> = HashMap::new();
+        for ((row, computed_hash), ack) in sendable.iter().zip(acks) {
             match ack {
                 Ok(ack) => {
+                    let action = action_type(&row.operation_key);
+                    *published_per_action.entry(action).or_default() += 1;
                     if ack.duplicate {
+                        *duplicates_per_action.entry(action).or_default() += 1;
                         tracing::info!(operation_key = %row.operation_key, sequence = ack.sequence, "broker already held this message id");
+                    } else {
+                        tracing::debug!(operation_key = %row.operation_key, sequence = ack.sequence, attempts = row.attempts, "published");
                     }
                     published.push(PublishedRow {
                         id: row.id,
-                        operation_key: row.operation_key,
+                        operation_key: row.operation_key.clone(),
                         attempts: row.attempts,
                         sequence: ack.sequence,
                         duplicate: ack.duplicate,
-                        computed_hash,
+                        computed_hash: computed_hash.clone(),
                     });
                 }
                 Err(error) => {
                     let permanent = publisher::is_permanent(&error);
-                    let decision = self.after_failure(&row, permanent);
-                    tracing::warn!(operation_key = %row.operation_key, attempts = row.attempts, ?decision, error = %error, "publish failed");
+                    let decision = self.after_failure(row, permanent);
+                    let cause = error_chain(&error);
+                    self.metrics
+                        .publish_failures
+                        .get_or_create(&ClassLabel { class: publisher::failure_class(&error) })
+                        .inc();
+                    if decision == Failure::Block {
+                        let reason = if permanent { "permanent_error" } else { "retry_budget" };
+                        self.metrics.blocked.get_or_create(&ReasonLabel { reason }).inc();
+                        tracing::warn!(operation_key = %row.operation_key, attempts = row.attempts, error = %cause, "publish failed; row blocked");
+                    } else {
+                        // The outage is logged once (below); each row only at debug.
+                        tracing::debug!(operation_key = %row.operation_key, attempts = row.attempts, ?decision, error = %cause, "publish failed");
+                    }
+                    first_failure.get_or_insert_with(|| cause.clone());
                     failed.push(FailedRow {
                         id: row.id,
                         attempts: row.attempts,
                         outcome: decision,
-                        error: format!("publish failed: {error}"),
+                        error: format!("publish failed: {cause}"),
                     });
                 }
             }
@@ -290,15 +414,40 @@ impl Relay {
         outcome.published = published.len();
         outcome.duplicates = published.iter().filter(|r| r.duplicate).count();
         outcome.retried = failed.iter().filter(|f| matches!(f.outcome, Failure::RetryAfter(_))).count();
-        outcome.blocked = failed.len() - outcome.retried;
+        outcome.held = failed.iter().filter(|f| f.outcome == Failure::Hold).count();
+        outcome.blocked = failed.len() - outcome.retried - outcome.held;
         // Also releases a range whose rows had all been handled elsewhere (nothing to send).
         outbox::settle(&self.pool, &self.owner, &self.stream.name, lease, &published, &failed).await?;
+        let settled_at = Instant::now();
+        match first_failure {
+            Some(cause) => {
+                self.publishing.failed(&cause, (sendable.len() - published.len()) as u64);
+            }
+            None if !published.is_empty() => {
+                self.publishing.succeeded();
+            }
+            None => {}
+        }
+        self.metrics.totals.add(published.len() as u64, (sendable.len() - published.len()) as u64);
+        for (action, n) in held_per_action {
+            self.metrics.held_paused.get_or_create(&crate::metrics::ActionLabel { action }).inc_by(n);
+        }
+        RelayMetrics::add_per_action(&self.metrics.published, &published_per_action);
+        // Every action type that publishes has a duplicates series, at zero until the first one.
+        for action in published_per_action.keys() {
+            duplicates_per_action.entry(action).or_default();
+        }
+        RelayMetrics::add_per_action(&self.metrics.broker_duplicates, &duplicates_per_action);
+        self.metrics.batches.inc();
+        self.metrics.claim_duration.observe((claimed_at - started).as_secs_f64());
         if outcome.claimed > 0 {
+            self.metrics.publish_duration.observe((published_at - claimed_at).as_secs_f64());
+            self.metrics.settle_duration.observe((settled_at - published_at).as_secs_f64());
             tracing::debug!(
                 claimed = outcome.claimed,
                 claim_us = (claimed_at - started).as_micros() as u64,
                 publish_us = (published_at - claimed_at).as_micros() as u64,
-                settle_us = published_at.elapsed().as_micros() as u64,
+                settle_us = (settled_at - published_at).as_micros() as u64,
                 "batch timings"
             );
         }
@@ -363,25 +512,33 @@ impl Relay {
     }
 
     /// Builds the envelope for a claimed row, or says why the row must be blocked instead.
-    fn prepare(&self, row: &ClaimedRow) -> Result<(Outgoing, Option<String>), String> {
+    fn prepare(&self, row: &ClaimedRow) -> Result<(Outgoing, Option<String>), Refusal> {
         if row.attempts as u32 > self.settings.max_attempts {
-            return Err(format!("retry budget exhausted: {} attempts", row.attempts - 1));
+            return Err(Refusal::new("retry_budget", format!("retry budget exhausted: {} attempts", row.attempts - 1)));
         }
         if self.too_old(row.created_at) {
-            return Err("retry budget exhausted: older than max age".into());
+            return Err(Refusal::new("retry_budget", "retry budget exhausted: older than max age"));
         }
-        let key: OperationKey = row.operation_key.parse().map_err(|e| format!("stored key is invalid: {e}"))?;
+        let key: OperationKey = row
+            .operation_key
+            .parse()
+            .map_err(|e| Refusal::new("invalid_row", format!("stored key is invalid: {e}")))?;
         let payload = CanonicalPayload::from_json(row.payload.as_bytes())
-            .map_err(|e| format!("stored payload is invalid: {e}"))?;
+            .map_err(|e| Refusal::new("invalid_row", format!("stored payload is invalid: {e}")))?;
         let hash = payload.hash();
         let computed_hash = match row.payload_hash.as_deref().map(str::parse::<PayloadHash>) {
             None => Some(hash.to_string()),
             Some(Ok(stored)) if stored == hash => None,
             // The stored payload no longer hashes to what was approved: never send it.
-            Some(_) => return Err("payload changed after approval: stored hash does not match".into()),
+            Some(_) => {
+                return Err(Refusal::new(
+                    "payload_changed",
+                    "payload changed after approval: stored hash does not match",
+                ));
+            }
         };
-        let approval =
-            Approval::new(&row.approved_by, row.approved_at).map_err(|e| format!("stored approval is invalid: {e}"))?;
+        let approval = Approval::new(&row.approved_by, row.approved_at)
+            .map_err(|e| Refusal::new("invalid_row", format!("stored approval is invalid: {e}")))?;
         let subject = self.stream.subjects.for_key(&key);
         let envelope = Envelope { key, payload, approval, source: self.settings.source.clone(), time: row.recorded_at };
         Ok((Outgoing { subject, key: row.operation_key.clone(), body: envelope.encode() }, computed_hash))
@@ -400,9 +557,9 @@ impl Relay {
         }
     }
 
-    /// Runs `workers` loops (and retention) until `token` is cancelled; each worker finishes its
-    /// current batch first, so a SIGTERM never leaves published-but-unmarked rows behind (beyond a
-    /// crash's lease expiry).
+    /// Runs `workers` loops (and retention, the sampler and the periodic reconciliation) until
+    /// `token` is cancelled; each worker finishes its current batch first, so a SIGTERM never leaves
+    /// published-but-unmarked rows behind (beyond a crash's lease expiry).
     pub async fn run_until_stopped(self, token: CancellationToken) -> anyhow::Result<()> {
         // One listener per process. Register interest before the first claim so no insert slips
         // between them unnoticed.
@@ -414,13 +571,26 @@ impl Relay {
         for worker in 0..self.settings.workers.max(1) {
             let relay = self.clone();
             let (wake, token) = (wake.clone(), token.clone());
-            tasks.spawn(async move { relay.work(worker, wake, token).await });
+            let heartbeat = self.liveness.register(format!("relay worker {worker}"), self.settings.stall_after);
+            tasks.spawn(async move { relay.work(worker, &heartbeat, wake, token).await });
         }
         if let Some(retention) = self.settings.retention {
             let relay = self.clone();
             let token = token.clone();
             tasks.spawn(async move { relay.retain(retention, token).await });
         }
+        {
+            let relay = self.clone();
+            let token = token.clone();
+            let heartbeat = self.liveness.register("relay sampler", self.settings.stall_after);
+            tasks.spawn(async move { relay.sample_periodically(&heartbeat, token).await });
+        }
+        if let Some(settings) = self.settings.reconcile {
+            let relay = self.clone();
+            let token = token.clone();
+            tasks.spawn(async move { relay.reconcile_periodically(settings, token).await });
+        }
+        tracing::info!(owner = %self.owner, workers = self.settings.workers.max(1), stream = %self.stream.name, "relay running");
         while let Some(result) = tasks.join_next().await {
             result??;
         }
@@ -428,24 +598,41 @@ impl Relay {
         Ok(())
     }
 
-    async fn work(&self, worker: usize, wake: Arc<Notify>, token: CancellationToken) -> anyhow::Result<()> {
+    async fn work(
+        &self,
+        worker: usize,
+        heartbeat: &Heartbeat,
+        wake: Arc<Notify>,
+        token: CancellationToken,
+    ) -> anyhow::Result<()> {
         let mut failures = 0u32;
         let mut held_back_since: Option<Instant> = None;
         while !token.is_cancelled() {
+            heartbeat.beat();
+            if RelayFaults::fire(&self.faults.stall_worker) {
+                tracing::warn!(worker, "injected stall: this worker hangs until shutdown");
+                token.cancelled().await;
+                break;
+            }
             let batch = match self.publish_batch().await {
                 Ok(batch) => batch,
                 Err(error) => {
                     failures += 1;
-                    tracing::error!(worker, error = %anyhow::Error::from(error), "relay batch failed");
-                    let pause = self.settings.backoff.delay(failures);
-                    tokio::select! {
-                        // Shutdown wins over the pause.
-                        _ = token.cancelled() => break,
-                        _ = tokio::time::sleep(pause) => {}
+                    self.metrics.batch_errors.inc();
+                    let cause = error_chain(&error);
+                    if !self.batches.failed(&cause, 0) {
+                        tracing::debug!(worker, error = %cause, "relay batch failed");
+                    }
+                    // Shutdown wins over the pause; the pause beats, it is not a stall.
+                    if !heartbeat.pause(self.settings.backoff.delay(failures), &token).await {
+                        break;
                     }
                     continue;
                 }
             };
+            if failures > 0 {
+                self.batches.succeeded();
+            }
             failures = 0;
             if batch.claimed > 0 {
                 tracing::debug!(worker, ?batch, "batch done");
@@ -465,7 +652,7 @@ impl Relay {
                 // Rows are committed but an older transaction is still open: no notification will
                 // say when it ends, so watch the horizon, then claim again.
                 if let Err(error) = self.wait_for_horizon(transaction_id, &token).await {
-                    tracing::warn!(worker, %error, "cannot read the transaction horizon; polling continues");
+                    tracing::warn!(worker, error = %error_chain(&error), "cannot read the transaction horizon; polling continues");
                 }
                 continue;
             }
@@ -480,6 +667,150 @@ impl Relay {
             }
         }
         Ok(())
+    }
+
+    /// Samples the backlog into the gauges now. Returns the sample (also for the progress line).
+    pub async fn sample(&self) -> Result<outbox::BacklogSample, RelayError> {
+        // The pauses first: rows of a resumed action type are released by the same pass.
+        let paused: HashSet<String> =
+            outbox::paused_action_types(&self.pool).await?.into_iter().map(|p| p.action_type).collect();
+        *self.paused.write().unwrap_or_else(|e| e.into_inner()) = paused;
+        let released = outbox::release_resumed(&self.pool).await?;
+        if released > 0 {
+            tracing::info!(rows = released, "released held rows: their action type was resumed");
+        }
+        let sample = outbox::sample_backlog(&self.pool).await?;
+        let m = &self.metrics;
+        m.outbox_rows.get_or_create(&crate::metrics::StateLabel { state: "pending" }).set(sample.pending);
+        m.outbox_rows.get_or_create(&crate::metrics::StateLabel { state: "blocked" }).set(sample.blocked);
+        m.oldest_pending_age.set(sample.oldest_pending_s);
+        m.held_back_rows.set(sample.held_back);
+        m.held_back_transaction_age.set(sample.held_back_s);
+        m.paused_action_types.set(sample.paused);
+        Ok(sample)
+    }
+
+    /// Samples every [`RelaySettings::sample_interval`] and logs a progress line every
+    /// [`PROGRESS_INTERVAL`]: what was published since the last line, and the backlog.
+    async fn sample_periodically(&self, heartbeat: &Heartbeat, token: CancellationToken) -> anyhow::Result<()> {
+        let mut last_line = Instant::now();
+        let mut published_before = self.published_total();
+        let mut failures_before = self.failures_total();
+        loop {
+            match self.sample().await {
+                Ok(sample) if last_line.elapsed() >= PROGRESS_INTERVAL => {
+                    let (published, failures) = (self.published_total(), self.failures_total());
+                    let seconds = last_line.elapsed().as_secs_f64();
+                    tracing::info!(
+                        published = published - published_before,
+                        per_second = ((published - published_before) as f64 / seconds).round(),
+                        failed_publishes = failures - failures_before,
+                        pending = sample.pending,
+                        oldest_pending_s = sample.oldest_pending_s.round(),
+                        blocked = sample.blocked,
+                        held_back = sample.held_back,
+                        paused_action_types = sample.paused,
+                        "progress"
+                    );
+                    if sample.held_back > 0 {
+                        tracing::warn!(
+                            rows = sample.held_back,
+                            transaction_age_s = sample.held_back_s.round(),
+                            holder =
+                                sample.held_back_by.as_deref().unwrap_or("not visible to this role (grant pg_monitor)"),
+                            "rows wait behind an open write transaction"
+                        );
+                    }
+                    (published_before, failures_before, last_line) = (published, failures, Instant::now());
+                }
+                Ok(_) => {}
+                Err(error) => {
+                    self.metrics.sample_errors.inc();
+                    tracing::debug!(error = %error_chain(&error), "sampling the backlog failed; the gauges keep their last value");
+                }
+            }
+            if !heartbeat.pause(self.settings.sample_interval, &token).await {
+                return Ok(());
+            }
+        }
+    }
+
+    fn published_total(&self) -> u64 {
+        self.metrics.totals.published.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn failures_total(&self) -> u64 {
+        self.metrics.totals.failed_publishes.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Checks rows published within `lookback` against the stream (the producer's half of
+    /// `handoff-admin reconcile`) and sets `handoff_reconcile_mismatches`. Without the consumer's
+    /// database a missing message counts as lost by the broker whether or not it was consumed
+    /// first; `handoff-admin reconcile` tells the two apart.
+    pub async fn reconcile_recent(&self, lookback: Duration) -> anyhow::Result<Vec<(MismatchKind, String)>> {
+        let since = Utc::now() - chrono::Duration::from_std(lookback)?;
+        let stream = self.js.get_stream(&self.stream.name).await?;
+        let first_sequence = stream.get_info().await?.state.first_sequence;
+        let mut findings = Vec::new();
+        let mut position = reconcile::Position::start();
+        loop {
+            let chunk =
+                reconcile::published_chunk(&self.pool, Scope::Since(since), &position, reconcile::CHUNK_ROWS).await?;
+            let found = reconcile::probe(&stream, &chunk.rows, first_sequence).await?;
+            for (row, at) in chunk.rows.iter().zip(found) {
+                match at {
+                    AtSequence::Same | AtSequence::Expired => {}
+                    AtSequence::Missing => findings.push((MismatchKind::LostByBroker, row.operation_key.clone())),
+                    AtSequence::Other { .. } => {
+                        findings.push((MismatchKind::SequenceReused, row.operation_key.clone()))
+                    }
+                }
+            }
+            match chunk.next {
+                Some(next) => position = next,
+                None => break,
+            }
+        }
+        for kind in [MismatchKind::LostByBroker, MismatchKind::SequenceReused] {
+            let n = findings.iter().filter(|(k, _)| *k == kind).count();
+            self.metrics.reconcile_mismatches.get_or_create(&KindLabel { kind: kind.as_str() }).set(n as i64);
+        }
+        self.metrics.reconcile_runs.inc();
+        Ok(findings)
+    }
+
+    async fn reconcile_periodically(
+        &self,
+        settings: ReconcileSettings,
+        token: CancellationToken,
+    ) -> anyhow::Result<()> {
+        loop {
+            tokio::select! {
+                _ = token.cancelled() => return Ok(()),
+                _ = tokio::time::sleep(settings.interval) => {}
+            }
+            tokio::select! {
+                _ = token.cancelled() => return Ok(()),
+                result = self.reconcile_recent(settings.lookback) => match result {
+                    Ok(findings) if findings.is_empty() => {
+                        tracing::debug!(lookback_s = settings.lookback.as_secs(), "reconciled: the stream holds every published row");
+                    }
+                    Ok(findings) => {
+                        let sample: Vec<&str> = findings.iter().take(5).map(|(_, key)| key.as_str()).collect();
+                        tracing::warn!(
+                            mismatches = findings.len(),
+                            lost = findings.iter().filter(|(k, _)| *k == MismatchKind::LostByBroker).count(),
+                            reused = findings.iter().filter(|(k, _)| *k == MismatchKind::SequenceReused).count(),
+                            first_keys = ?sample,
+                            "published rows are missing from the stream; run `handoff-admin reconcile` (with --repair to re-publish)"
+                        );
+                    }
+                    Err(error) => {
+                        tracing::warn!(error = %error_chain(error.as_ref()), "periodic reconciliation failed; retrying at the next interval");
+                    }
+                }
+            }
+        }
     }
 
     /// Returns once every transaction older than `transaction_id` has ended, or after the poll
@@ -515,7 +846,7 @@ impl Relay {
                 held_back_s = self.settings.held_back.as_secs_f64(),
                 "rows waited behind an older open transaction; claimed them one by one"
             ),
-            Err(error) => tracing::warn!(worker, error = %anyhow::Error::from(error), "held-back rescue failed"),
+            Err(error) => tracing::warn!(worker, error = %error_chain(&error), "held-back rescue failed"),
         }
     }
 
@@ -533,9 +864,33 @@ impl Relay {
                 // leaves nothing half done.
                 _ = token.cancelled() => return Ok(()),
                 result = self.apply_retention() => if let Err(error) = result {
-                    tracing::warn!(error = %anyhow::Error::from(error), "retention pass failed; retrying at the next pass");
+                    tracing::warn!(error = %error_chain(&error), "retention pass failed; retrying at the next pass");
                 }
             }
         }
+    }
+}
+
+/// The relay's readiness: its database is reachable and migrated, NATS is connected, and the
+/// stream exists.
+struct RelayReadiness {
+    relay: Relay,
+}
+
+impl Readiness for RelayReadiness {
+    fn check(&self) -> futures::future::BoxFuture<'_, Vec<Check>> {
+        Box::pin(async move {
+            let relay = &self.relay;
+            let database =
+                Check::bounded("database", handoff_shared::observe::check_database(&relay.pool, &crate::MIGRATOR));
+            let stream = Check::bounded("stream", async {
+                match relay.js.get_stream(&relay.stream.name).await {
+                    Ok(_) => Check::ok("stream", relay.stream.name.clone()),
+                    Err(error) => Check::failed("stream", format!("{}: {}", relay.stream.name, error_chain(&error))),
+                }
+            });
+            let (database, stream) = tokio::join!(database, stream);
+            vec![database, handoff_shared::observe::check_nats(&relay.js.client()), stream]
+        })
     }
 }

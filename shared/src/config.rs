@@ -173,6 +173,38 @@ impl DatabaseArgs {
     }
 }
 
+/// What the operations endpoint reports, shared by both services (the address is each service's
+/// own setting, so both can run on one host with their defaults).
+#[derive(Debug, Clone, clap::Args)]
+pub struct ObserveArgs {
+    /// Seconds a loop may go without completing an iteration before /healthz answers 503.
+    #[arg(
+        long = "stall-after-secs",
+        env = "HANDOFF_STALL_AFTER_SECS",
+        default_value_t = crate::observe::DEFAULT_STALL_AFTER.as_secs(),
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    pub stall_after_secs: u64,
+    /// Seconds between database samples of the gauges /metrics shows (never sampled per scrape).
+    #[arg(
+        long = "metrics-sample-secs",
+        env = "HANDOFF_METRICS_SAMPLE_SECS",
+        default_value_t = crate::observe::DEFAULT_SAMPLE_INTERVAL.as_secs(),
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    pub sample_secs: u64,
+}
+
+impl ObserveArgs {
+    pub fn stall_after(&self) -> Duration {
+        Duration::from_secs(self.stall_after_secs)
+    }
+
+    pub fn sample_interval(&self) -> Duration {
+        Duration::from_secs(self.sample_secs)
+    }
+}
+
 /// The async runtime a service runs on.
 #[derive(Debug, Clone, clap::Args)]
 pub struct RuntimeArgs {
@@ -208,11 +240,14 @@ pub enum LogFormat {
     Json,
 }
 
-/// Starts tracing: `RUST_LOG` filter (default `info`), text or JSON lines on stderr.
+/// Starts tracing: `RUST_LOG` filter (default `info`), text or JSON lines on stderr, colours only
+/// when stderr is a terminal.
 pub fn init_tracing(format: LogFormat) {
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    // Colours only for a person at a terminal: `docker logs` and log shippers get plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr);
     // A second init (tests calling build twice) is harmless, so the error is ignored.
     let _ = match format {
         LogFormat::Text => builder.try_init(),

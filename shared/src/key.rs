@@ -59,6 +59,13 @@ pub struct OperationKey {
     seps: [usize; 3],
 }
 
+/// `namespace:action` of a stored or received key text, without validating the rest; `None` when it
+/// has fewer than three parts. For metrics labels of rows and messages that may be malformed.
+pub fn action_type_of(key: &str) -> Option<&str> {
+    let second = key.match_indices(':').nth(1)?.0;
+    Some(&key[..second])
+}
+
 impl OperationKey {
     /// Builds a key from its parts, validating each.
     pub fn new(namespace: &str, action: &str, version: u16, entity: &str) -> Result<Self, KeyError> {
@@ -78,6 +85,11 @@ impl OperationKey {
     /// The action type (`create-followup`).
     pub fn action(&self) -> &str {
         &self.text[self.seps[0] + 1..self.seps[1]]
+    }
+
+    /// `namespace:action` (`harbor:create-followup`): what metrics label, pause and filter by.
+    pub fn action_type(&self) -> &str {
+        &self.text[..self.seps[1]]
     }
 
     /// The version token including its `v` (`v1`).

@@ -9,11 +9,13 @@ pub mod backoff;
 pub mod config;
 pub mod envelope;
 pub mod key;
+pub mod logging;
+pub mod observe;
 pub mod payload;
 pub mod subject;
 
 pub use backoff::Backoff;
 pub use envelope::{Approval, Envelope, EnvelopeError};
-pub use key::{KeyError, OperationKey};
+pub use key::{KeyError, OperationKey, action_type_of};
 pub use payload::{CanonicalPayload, PayloadError, PayloadHash};
 pub use subject::{Subjects, headers};

@@ -4,6 +4,7 @@
 //! libraries exactly as the binaries build them.
 
 pub mod containers;
+pub mod ops;
 pub mod process;
 pub mod remote;
 
@@ -149,13 +150,23 @@ impl TestEnv {
             ("HANDOFF_MAX_ACK_PENDING", "20000".into()),
             ("HANDOFF_RELAY_LEASE_SECS", "1".into()),
             ("HANDOFF_RELAY_POLL_MS", "100".into()),
+            // Several processes share this host: no endpoint unless a test asks for one.
+            ("HANDOFF_HTTP_ADDR", String::new()),
             ("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into())),
         ]
     }
 
-    /// Starts the real `handoff-relay` binary against this test's databases and stream.
+    /// Starts the real `handoff-relay` binary against this test's databases and stream, with its
+    /// operations endpoint off.
     pub fn relay_process(&self) -> Result<ServiceProcess> {
-        ServiceProcess::spawn("handoff-relay", &self.service_env(&self.producer_db))
+        self.relay_process_with(&[])
+    }
+
+    /// Starts the real `handoff-relay` binary with extra settings (e.g. `HANDOFF_HTTP_ADDR`).
+    pub fn relay_process_with(&self, extra: &[(&'static str, String)]) -> Result<ServiceProcess> {
+        let mut env = self.service_env(&self.producer_db);
+        env.extend(extra.iter().cloned());
+        ServiceProcess::spawn("handoff-relay", &env)
     }
 
     /// Starts one real `handoff-consumer` replica.
@@ -168,6 +179,20 @@ impl TestEnv {
         let mut env = self.service_env(&self.consumer_db);
         env.extend(extra.iter().cloned());
         ServiceProcess::spawn("handoff-consumer", &env)
+    }
+
+    /// Runs the real `handoff-admin` with `args` against this test's databases, broker, stream and
+    /// durable consumer, to completion.
+    pub async fn admin(&self, args: &[&str]) -> Result<process::CommandOutput> {
+        let env = [
+            ("HANDOFF_PRODUCER_DATABASE_URL", self.producer_url()),
+            ("HANDOFF_CONSUMER_DATABASE_URL", self.consumer_url()),
+            ("NATS_URL", self.nats.url()),
+            ("HANDOFF_STREAM", self.stream.clone()),
+            ("HANDOFF_CONSUMER_NAME", "crm".to_owned()),
+            ("RUST_LOG", "warn".to_owned()),
+        ];
+        process::run_binary("handoff-admin", &env, args, Duration::from_secs(120)).await
     }
 
     /// URL of the consumer's database (for extra pools and processes).

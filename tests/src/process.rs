@@ -66,3 +66,43 @@ impl ServiceProcess {
         Ok(self.child.try_wait()?.is_some())
     }
 }
+
+/// What a command-line binary printed and how it exited.
+#[derive(Debug)]
+pub struct CommandOutput {
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl CommandOutput {
+    /// Fails with both outputs when the exit code is not `code`.
+    pub fn expect_code(self, code: i32) -> Result<Self> {
+        if self.code != Some(code) {
+            bail!("exit code {:?}, expected {code}\nstdout:\n{}\nstderr:\n{}", self.code, self.stdout, self.stderr);
+        }
+        Ok(self)
+    }
+}
+
+/// Runs the workspace binary `name` with `args` and exactly these environment variables added,
+/// to completion (bounded by `timeout`).
+pub async fn run_binary(
+    name: &str,
+    env: &[(&str, String)],
+    args: &[&str],
+    timeout: std::time::Duration,
+) -> Result<CommandOutput> {
+    let path = binary_path(name)?;
+    let mut command = Command::new(&path);
+    command.args(args).envs(env.iter().map(|(k, v)| (*k, v.as_str()))).stdin(Stdio::null()).kill_on_drop(true);
+    let output = tokio::time::timeout(timeout, command.output())
+        .await
+        .with_context(|| format!("{name} {args:?} did not finish within {timeout:?}"))?
+        .with_context(|| format!("running {}", path.display()))?;
+    Ok(CommandOutput {
+        code: output.status.code(),
+        stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
+    })
+}

@@ -2,7 +2,9 @@
 //! `handoff_tests::TestEnv`) and proves its claim by counting rows in the outbox, messages in the
 //! stream and tasks in the CRM store.
 
+mod admin;
 mod consumer;
+mod operability;
 mod processes;
 mod producer;
 mod relay;

@@ -77,6 +77,13 @@ async fn a_reply_lost_after_the_crm_committed_is_settled_by_readback_without_a_s
         .await
         .unwrap();
     assert_eq!(proof, "readback_by_external_id");
+
+    // The operator's view of the same key, from the binary.
+    let explained = env.admin(&["explain", KEY]).await.unwrap().expect_code(0).unwrap().stdout;
+    assert!(explained.contains("verdict: settled in the remote CRM: task"), "{explained}");
+    assert!(explained.contains("attempt #1"), "{explained}");
+    assert!(explained.contains("readback"), "{explained}");
+    assert!(explained.contains("-> settled"), "{explained}");
 }
 
 #[tokio::test]
@@ -96,6 +103,12 @@ async fn unavailable_readback_goes_to_review_after_its_window_with_no_retry() {
     assert!(steps.last().unwrap().note.contains("readback unavailable"), "{steps:?}");
     assert_eq!((sim.effects().await.unwrap(), sim.creates()), (1, 1), "never retried");
     assert!(dispatcher.dispatch_due().await.unwrap().is_empty(), "review is not picked up again");
+
+    let explained = env.admin(&["explain", KEY]).await.unwrap().expect_code(0).unwrap().stdout;
+    assert!(explained.contains("verdict: waiting for a person (review)"), "{explained}");
+    assert!(explained.contains("readback unavailable"), "{explained}");
+    let listed = env.admin(&["list", "--state", "review"]).await.unwrap().expect_code(0).unwrap().stdout;
+    assert!(listed.starts_with("review") && listed.contains(KEY), "{listed}");
 }
 
 #[tokio::test]

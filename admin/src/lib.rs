@@ -1,0 +1,202 @@
+//! `handoff-admin`: the operators' command. It reads the producer database, the broker and the
+//! consumer database (each only when a subcommand needs it), prints for people, and `--json` for
+//! scripts. Every change it makes records actor, time and reason in an audit table; nothing is
+//! ever deleted.
+//!
+//! * [`status`]: the whole path on one screen, with the seeds' measures.
+//! * [`explain`]: one key's timeline across every table and the stream.
+//! * [`reconcile`]: published rows against the stream and the consumer; `--repair`.
+//! * [`queue`]: the review queue (`list`, `resolve`, `approve-retry`, `export`).
+
+pub mod connect;
+pub mod explain;
+pub mod queue;
+pub mod reconcile;
+pub mod status;
+
+use std::process::ExitCode;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+use handoff_relay::reconcile::Scope;
+use handoff_shared::config::NatsArgs;
+
+use crate::connect::{Connections, jetstream};
+use crate::queue::Queue;
+
+/// Exit status of `reconcile` when it found keys that differ (0 means everything matched).
+pub const EXIT_MISMATCHES: u8 = 3;
+
+/// Operators' command for handoff: status, explain, reconcile, and the review queue.
+#[derive(Debug, Parser)]
+#[command(name = "handoff-admin", version)]
+pub struct Cli {
+    #[command(flatten)]
+    pub connections: Connections,
+    /// Print JSON instead of text.
+    #[arg(long, global = true)]
+    pub json: bool,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// How the whole path stands: outbox, stream, durable consumer, inbox, CRM, queues, paused
+    /// action types, and the measures (settled without a person, duplicates, uncertain).
+    Status {
+        #[command(flatten)]
+        nats: NatsArgs,
+        /// Skip the broker (no NATS connection).
+        #[arg(long)]
+        no_stream: bool,
+    },
+    /// One key's timeline across approval, outbox, stream, inbox, CRM, review, dead letters and
+    /// operator actions, with a verdict.
+    #[command(alias = "show")]
+    Explain {
+        operation_key: String,
+        #[command(flatten)]
+        nats: NatsArgs,
+        /// Skip the broker (no NATS connection).
+        #[arg(long)]
+        no_stream: bool,
+    },
+    /// Compare published outbox rows, the stream, the inbox and the CRM for a range and name every
+    /// key that differs. Exits 3 when something differs.
+    Reconcile {
+        /// Rows published (and received) at or after this time: RFC 3339 or an age (90m, 2h, 7d).
+        #[arg(long, value_parser = reconcile::parse_since, conflicts_with = "sequences")]
+        since: Option<chrono::DateTime<chrono::Utc>>,
+        /// Rows whose stream sequence is in A..B (inclusive; A.. and ..B are open).
+        #[arg(long)]
+        sequences: Option<Scope>,
+        /// Re-queue the keys the broker lost for publishing under the same key (audited).
+        #[arg(long, requires = "actor")]
+        repair: bool,
+        /// Who repairs (recorded in the audit row).
+        #[arg(long)]
+        actor: Option<String>,
+        /// Why (recorded in the audit row).
+        #[arg(long, default_value = "reconcile --repair: lost by the broker")]
+        reason: String,
+        #[command(flatten)]
+        nats: NatsArgs,
+    },
+    /// List what needs a person (default: unknown and review ledger rows).
+    List {
+        #[arg(long = "state", value_enum)]
+        states: Vec<Queue>,
+    },
+    /// Record the CRM receipt a person found, settling the key.
+    Resolve {
+        operation_key: String,
+        #[arg(long)]
+        receipt: String,
+        #[arg(long)]
+        actor: String,
+        #[arg(long)]
+        reason: String,
+    },
+    /// Allow exactly one new attempt with the same key, after proving the CRM never executed it.
+    ApproveRetry {
+        operation_key: String,
+        #[arg(long)]
+        actor: String,
+        /// The evidence of non-execution.
+        #[arg(long)]
+        reason: String,
+    },
+    /// Export the queues (non-secret fields only, no payloads).
+    Export {
+        #[arg(long, value_enum, default_value = "csv")]
+        format: handoff_consumer::review::ExportFormat,
+        #[arg(long = "state", value_enum)]
+        states: Vec<Queue>,
+    },
+}
+
+/// Runs one command; the exit code says whether reconciliation found differences.
+pub async fn run(cli: Cli) -> Result<ExitCode> {
+    let c = &cli.connections;
+    match cli.command {
+        Command::Status { nats, no_stream } => {
+            let (producer, consumer) = (c.producer_if_given().await?, c.consumer_if_given().await?);
+            let js = if no_stream { None } else { Some(jetstream(&nats).await?) };
+            let status = status::gather(
+                producer.as_ref(),
+                js.as_ref().map(|js| (js, c.stream.as_str(), c.consumer_name.as_str())),
+                consumer.as_ref(),
+            )
+            .await?;
+            print(cli.json, &status, status::render)?;
+        }
+        Command::Explain { operation_key, nats, no_stream } => {
+            let (producer, consumer) = (c.producer_if_given().await?, c.consumer_if_given().await?);
+            anyhow::ensure!(
+                producer.is_some() || consumer.is_some(),
+                "explain needs a database: --producer-database-url and/or --consumer-database-url"
+            );
+            let js = if no_stream || producer.is_none() { None } else { Some(jetstream(&nats).await?) };
+            let explanation = explain::explain(
+                &operation_key,
+                producer.as_ref(),
+                js.as_ref().map(|js| (js, c.stream.as_str())),
+                consumer.as_ref(),
+            )
+            .await?;
+            print(cli.json, &explanation, explain::render)?;
+        }
+        Command::Reconcile { since, sequences, repair, actor, reason, nats } => {
+            let producer = c.producer("reconcile").await?;
+            let consumer = c.consumer("reconcile").await?;
+            let js = jetstream(&nats).await?;
+            let scope = match (since, sequences) {
+                (Some(at), _) => Scope::Since(at),
+                (None, Some(range)) => range,
+                (None, None) => Scope::All,
+            };
+            let repair = repair.then(|| reconcile::Repair { actor: actor.unwrap_or_default(), reason });
+            let report = reconcile::run(&producer, &js, &c.stream, &consumer, scope, repair.as_ref()).await?;
+            print(cli.json, &report, reconcile::render)?;
+            if !report.mismatches.is_empty() {
+                return Ok(ExitCode::from(EXIT_MISMATCHES));
+            }
+        }
+        Command::List { states } => {
+            let consumer = c.consumer("list").await?;
+            let producer =
+                if states.contains(&Queue::Blocked) { Some(c.producer("list --state blocked").await?) } else { None };
+            let rows = queue::list(&consumer, producer.as_ref(), &states).await?;
+            print(cli.json, &rows, queue::render)?;
+        }
+        Command::Resolve { operation_key, receipt, actor, reason } => {
+            let consumer = c.consumer("resolve").await?;
+            handoff_consumer::review::resolve_with_receipt(&consumer, &operation_key, &receipt, &actor, &reason)
+                .await?;
+            println!("{operation_key}: settled with receipt {receipt}");
+        }
+        Command::ApproveRetry { operation_key, actor, reason } => {
+            let consumer = c.consumer("approve-retry").await?;
+            handoff_consumer::review::approve_new_attempt(&consumer, &operation_key, &actor, &reason).await?;
+            println!("{operation_key}: one new attempt approved");
+        }
+        Command::Export { format, states } => {
+            let consumer = c.consumer("export").await?;
+            let producer =
+                if states.contains(&Queue::Blocked) { Some(c.producer("export --state blocked").await?) } else { None };
+            let rows = queue::list(&consumer, producer.as_ref(), &states).await?;
+            print!("{}", queue::export(&rows, format)?);
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn print<T: serde::Serialize>(json: bool, value: &T, render: fn(&T) -> String) -> Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(value)?);
+    } else {
+        print!("{}", render(value));
+    }
+    Ok(())
+}

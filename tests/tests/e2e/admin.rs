@@ -1,0 +1,196 @@
+//! `handoff-admin`, run as a process: `explain` for every end state, `status`, and `reconcile`
+//! finding (and repairing) what the broker lost.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use async_nats::jetstream::message::PublishMessage;
+use handoff_relay::RelaySettings;
+use handoff_tests::{SEED_TITLE, TestEnv, eventually};
+
+const WAIT: Duration = Duration::from_secs(5);
+
+fn key(case: &str) -> String {
+    format!("harbor:create-followup:v1:{case}")
+}
+
+/// `handoff-admin explain KEY`'s verdict line.
+async fn verdict(env: &TestEnv, case: &str) -> String {
+    let out = env.admin(&["explain", &key(case)]).await.unwrap().expect_code(0).unwrap();
+    let line = out.stdout.lines().find_map(|l| l.strip_prefix("verdict: ")).map(str::to_owned);
+    line.unwrap_or_else(|| panic!("no verdict for {case}:\n{}", out.stdout))
+}
+
+#[tokio::test]
+async fn explain_tells_every_local_end_state_and_status_counts_them() {
+    let env = TestEnv::start().await.unwrap();
+    // A zero lease stands in for "the dead relay's lease has expired".
+    let settings = RelaySettings { lease: Duration::ZERO, ..env.relay_settings() };
+    let relay = env.relay(settings).await.unwrap();
+    let consumer = env.consumer(env.consumer_settings()).await.unwrap();
+
+    // case-1 is created; case-2's PubAck is lost and its re-publish is a broker duplicate.
+    env.approve("case-1", SEED_TITLE).await.unwrap();
+    relay.publish_batch().await.unwrap();
+    env.approve("case-2", SEED_TITLE).await.unwrap();
+    relay.faults().crash_after_publish.store(1, Ordering::SeqCst);
+    assert!(relay.publish_batch().await.is_err());
+    assert_eq!(relay.publish_batch().await.unwrap().duplicates, 1);
+    // case-3 meets a CRM that already holds other content for its key: a conflict.
+    sqlx::query(
+        "INSERT INTO handoff_consumer.crm_task (operation_key, payload_hash, payload, approved_by)
+         VALUES ($1, repeat('0', 64), '{\"case_id\": \"case-3\"}', 'someone-else')",
+    )
+    .bind(key("case-3"))
+    .execute(&env.consumer_db)
+    .await
+    .unwrap();
+    env.approve("case-3", SEED_TITLE).await.unwrap();
+    relay.publish_batch().await.unwrap();
+    // case-4 was never approved: a malformed message under its key is dead-lettered.
+    let subject = env.subjects.for_key(&key("case-4").parse().unwrap());
+    let forged = PublishMessage::build().payload("not an event".into()).message_id(key("case-4"));
+    env.js.send_publish(subject, forged).await.unwrap().await.unwrap();
+    // case-5's stored payload no longer matches its approval: the relay blocks it.
+    env.approve("case-5", SEED_TITLE).await.unwrap();
+    sqlx::query("UPDATE handoff.approved_action SET payload = '{\"case_id\": \"case-5\", \"title\": \"edited\"}' WHERE operation_key = $1")
+        .bind(key("case-5"))
+        .execute(&env.producer_db)
+        .await
+        .unwrap();
+    assert_eq!(relay.publish_batch().await.unwrap().blocked, 1);
+    let handled = consumer.fetch_and_handle(WAIT).await.unwrap();
+    assert_eq!(handled.len(), 4, "{handled:?}");
+
+    assert!(verdict(&env, "case-1").await.starts_with("done: task"), "case-1");
+    let explained = env.admin(&["explain", &key("case-2")]).await.unwrap().expect_code(0).unwrap().stdout;
+    assert!(explained.contains("the broker already held it (duplicate)"), "{explained}");
+    assert!(explained.contains("holds this key with the approved payload"), "{explained}");
+    assert!(explained.contains("approved by user-17"), "{explained}");
+    assert!(explained.contains("verdict: done: task"), "{explained}");
+    assert!(verdict(&env, "case-3").await.starts_with("conflict:"));
+    assert!(verdict(&env, "case-4").await.starts_with("dead-lettered:"));
+    let blocked = verdict(&env, "case-5").await;
+    assert!(blocked.starts_with("blocked at the producer: payload changed after approval"), "{blocked}");
+    assert!(verdict(&env, "case-404").await.starts_with("unknown key"));
+
+    let json = env.admin(&["--json", "explain", &key("case-1")]).await.unwrap().expect_code(0).unwrap().stdout;
+    let value: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(value["stream"]["found"], "this_key");
+    assert_eq!(value["consumer"]["inbox"]["outcome"], "task_created");
+    assert!(!json.contains(SEED_TITLE), "explain never prints payload bodies");
+
+    let status = env.admin(&["--json", "status"]).await.unwrap().expect_code(0).unwrap().stdout;
+    let status: serde_json::Value = serde_json::from_str(&status).unwrap();
+    assert_eq!(status["outbox"]["published"], 3);
+    assert_eq!(status["outbox"]["blocked"], 1);
+    assert_eq!(status["stream"]["messages"], 4);
+    assert_eq!(status["stream"]["durable"]["pending"], 0);
+    assert_eq!(status["consumer"]["conflicts"], 1);
+    assert_eq!(status["consumer"]["dead_letters"], 1);
+    assert_eq!(status["measures"]["actions"], 3);
+    assert_eq!(status["measures"]["settled_without_person"], 2);
+    assert_eq!(status["measures"]["duplicates"], 0);
+    let text = env.admin(&["status"]).await.unwrap().expect_code(0).unwrap().stdout;
+    assert!(text.contains("queues     review 0  conflicts 1  dead letters 1"), "{text}");
+}
+
+/// Publishes every due row and hands every available message to the consumer until `tasks` exist.
+async fn drain(
+    env: &TestEnv,
+    relay: &handoff_relay::Relay,
+    consumer: &handoff_consumer::Consumer<handoff_consumer::LocalCrm>,
+    tasks: i64,
+) {
+    eventually(&format!("{tasks} tasks"), Duration::from_secs(60), || async {
+        relay.publish_batch().await?;
+        consumer.fetch_and_handle(Duration::from_millis(200)).await?;
+        Ok((env.tasks().await? >= tasks).then_some(()))
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn messages_deleted_from_the_stream_before_consumption_are_reconciled_as_lost_and_repaired_once() {
+    const N: i64 = 100;
+    // A short duplicate window: the broker forgets a deleted message's id soon after, so the
+    // repaired rows can be stored again (the repair waits the window out).
+    let env = TestEnv::start_with_window(Duration::from_secs(2)).await.unwrap();
+    let relay = env.relay(env.relay_settings()).await.unwrap();
+    env.approve_many_via_sql(1, N).await.unwrap();
+    while env.outbox().await.unwrap().published < N {
+        relay.publish_batch().await.unwrap();
+    }
+    // The broker loses sequences 41..=60 before anyone consumed them.
+    let stream = env.js.get_stream(&env.stream).await.unwrap();
+    for sequence in 41..=60 {
+        assert!(stream.delete_message(sequence).await.unwrap());
+    }
+    let consumer = env.consumer(env.consumer_settings()).await.unwrap();
+    drain(&env, &relay, &consumer, N - 20).await;
+    assert_eq!(env.outbox().await.unwrap().published, N, "every row still says published");
+
+    let found = env.admin(&["--json", "reconcile"]).await.unwrap().expect_code(3).unwrap().stdout;
+    let report: serde_json::Value = serde_json::from_str(&found).unwrap();
+    let lost: Vec<&str> = report["mismatches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["kind"] == "lost_by_broker")
+        .map(|m| m["operation_key"].as_str().unwrap())
+        .collect();
+    assert_eq!(lost.len(), 20, "{found}");
+    assert_eq!(report["mismatches"].as_array().unwrap().len(), 20, "nothing else differs: {found}");
+    let mut expected: Vec<String> = (41..=60).map(|i| key(&format!("case-{i}"))).collect();
+    expected.sort();
+    assert_eq!(lost, expected);
+    // The sequence range narrows it: 1..40 holds nothing lost.
+    env.admin(&["reconcile", "--sequences", "1..40"]).await.unwrap().expect_code(0).unwrap();
+
+    let repaired =
+        env.admin(&["reconcile", "--repair", "--actor", "ana"]).await.unwrap().expect_code(3).unwrap().stdout;
+    assert_eq!(repaired.lines().filter(|l| l.starts_with("re-queued")).count(), 20, "{repaired}");
+    drain(&env, &relay, &consumer, N).await;
+    assert_eq!(env.tasks().await.unwrap(), N);
+    assert_eq!(env.consumer_counts().await.unwrap().inbox, N);
+    assert_eq!(env.stream_messages().await.unwrap(), N as u64, "80 kept + 20 re-published");
+    let audit: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM handoff.audit WHERE action = 'requeue_after_broker_loss' AND actor = 'ana'",
+    )
+    .fetch_one(&env.producer_db)
+    .await
+    .unwrap();
+    assert_eq!(audit, 20);
+    let clean = env.admin(&["reconcile"]).await.unwrap().expect_code(0).unwrap().stdout;
+    assert!(clean.contains("lost_by_broker             0"), "{clean}");
+}
+
+#[tokio::test]
+async fn a_stream_that_reuses_lost_sequences_is_reconciled_as_sequence_reuse() {
+    let env = TestEnv::start_with_window(Duration::from_secs(2)).await.unwrap();
+    let relay = env.relay(env.relay_settings()).await.unwrap();
+    env.approve_many_via_sql(1, 10).await.unwrap();
+    relay.publish_batch().await.unwrap();
+    assert_eq!(env.outbox().await.unwrap().published, 10);
+    // The broker loses its whole store and starts again at sequence 1 (the relay recreates the
+    // stream at startup); four new actions take sequences 1..=4.
+    env.js.delete_stream(&env.stream).await.unwrap();
+    let relay = env.relay(env.relay_settings()).await.unwrap();
+    env.approve_many_via_sql(11, 4).await.unwrap();
+    relay.publish_batch().await.unwrap();
+    let consumer = env.consumer(env.consumer_settings()).await.unwrap();
+    drain(&env, &relay, &consumer, 4).await;
+
+    let found = env.admin(&["reconcile"]).await.unwrap().expect_code(3).unwrap().stdout;
+    assert!(found.contains("sequence_reused            4\n"), "{found}");
+    assert!(found.contains("lost_by_broker             6\n"), "{found}");
+    let reuse = found.lines().find(|l| l.contains(&format!("{}  sequence 1", key("case-1")))).unwrap();
+    assert!(reuse.contains(&format!("(holds {})", key("case-11"))) && reuse.ends_with("repairable"), "{reuse}");
+
+    env.admin(&["reconcile", "--repair", "--actor", "ana"]).await.unwrap().expect_code(3).unwrap();
+    drain(&env, &relay, &consumer, 14).await;
+    let counts = env.consumer_counts().await.unwrap();
+    assert_eq!((counts.tasks, counts.inbox, counts.dead_letters, counts.reviews), (14, 14, 0, 0));
+    env.admin(&["reconcile"]).await.unwrap().expect_code(0).unwrap();
+}

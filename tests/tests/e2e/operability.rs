@@ -1,0 +1,210 @@
+//! The operations endpoint of the real binaries (`/metrics`, `/healthz`, `/readyz`), and the
+//! liveness check driven by fault hooks in-process.
+
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use handoff_shared::observe::Endpoint;
+use handoff_tests::ops::{free_local_addr, get, has_metric, series};
+use handoff_tests::{TestEnv, eventually};
+use sqlx::Connection;
+use tokio_util::sync::CancellationToken;
+
+const RELAY_METRICS: &[&str] = &[
+    "handoff_relay_published_total",
+    "handoff_relay_broker_duplicates_total",
+    "handoff_relay_publish_failures_total",
+    "handoff_relay_blocked_total",
+    "handoff_relay_batches_total",
+    "handoff_relay_batch_errors_total",
+    "handoff_relay_claim_duration_seconds",
+    "handoff_relay_publish_duration_seconds",
+    "handoff_relay_settle_duration_seconds",
+    "handoff_outbox_rows",
+    "handoff_outbox_oldest_pending_age_seconds",
+    "handoff_outbox_held_back_rows",
+    "handoff_outbox_held_back_transaction_age_seconds",
+    "handoff_reconcile_mismatches",
+    "handoff_reconcile_runs_total",
+    "handoff_paused_action_types",
+    "handoff_relay_sample_errors_total",
+];
+
+const CONSUMER_METRICS: &[&str] = &[
+    "handoff_consumer_messages_total",
+    "handoff_consumer_batch_duration_seconds",
+    "handoff_consumer_batch_errors_total",
+    "handoff_consumer_pending_messages",
+    "handoff_consumer_ack_pending_messages",
+    "handoff_consumer_redelivered_messages",
+    "handoff_ledger_rows",
+    "handoff_ledger_oldest_unknown_age_seconds",
+    "handoff_review_rows",
+    "handoff_conflict_rows",
+    "handoff_dead_letter_rows",
+    "handoff_paused_action_types",
+    "handoff_consumer_sample_errors_total",
+];
+
+const ACTION: &str = "harbor:create-followup";
+
+async fn status(addr: SocketAddr, path: &str) -> anyhow::Result<Option<u16>> {
+    Ok(get(addr, path).await.ok().map(|(status, _)| status))
+}
+
+async fn metrics(addr: SocketAddr) -> anyhow::Result<String> {
+    let (status, body) = get(addr, "/metrics").await?;
+    anyhow::ensure!(status == 200, "/metrics answered {status}");
+    Ok(body)
+}
+
+/// Waits until the series in the endpoint at `addr` has `value`.
+async fn series_reaches(addr: SocketAddr, name: &str, value: f64) -> anyhow::Result<()> {
+    eventually(&format!("{name} == {value}"), Duration::from_secs(120), || async {
+        let text = metrics(addr).await?;
+        Ok((series(&text, name) == Some(value)).then_some(()))
+    })
+    .await
+}
+
+#[tokio::test]
+async fn metrics_of_running_binaries_show_a_backlog_rise_and_drain_to_zero() {
+    const N: i64 = 2_000;
+    let env = TestEnv::start().await.unwrap();
+    let (relay_addr, consumer_addr) = (free_local_addr().unwrap(), free_local_addr().unwrap());
+    let fast = |addr: SocketAddr| {
+        vec![
+            ("HANDOFF_HTTP_ADDR", addr.to_string()),
+            ("HANDOFF_METRICS_SAMPLE_SECS", "1".to_owned()),
+            // The blocker below must hold the rows back for as long as it is open.
+            ("HANDOFF_RELAY_HELD_BACK_SECS", "3600".to_owned()),
+        ]
+    };
+    let _relay = env.relay_process_with(&fast(relay_addr)).unwrap();
+    let _consumer = env.consumer_process_with(&fast(consumer_addr)).unwrap();
+    for addr in [relay_addr, consumer_addr] {
+        eventually("/readyz 200", Duration::from_secs(60), || async {
+            Ok((status(addr, "/readyz").await? == Some(200)).then_some(()))
+        })
+        .await
+        .unwrap();
+        assert_eq!(status(addr, "/healthz").await.unwrap(), Some(200));
+    }
+    // An open write transaction holds every row committed after it back: a backlog that stays.
+    let mut blocker = sqlx::PgConnection::connect(&env.producer_url()).await.unwrap();
+    sqlx::raw_sql("BEGIN; SELECT pg_current_xact_id();").execute(&mut blocker).await.unwrap();
+    env.approve_many_via_sql(1, N).await.unwrap();
+    series_reaches(relay_addr, "handoff_outbox_rows{state=\"pending\"}", N as f64).await.unwrap();
+    let text = metrics(relay_addr).await.unwrap();
+    assert_eq!(series(&text, "handoff_outbox_held_back_rows"), Some(N as f64), "{text}");
+    assert!(series(&text, "handoff_outbox_held_back_transaction_age_seconds").unwrap() > 0.0, "{text}");
+    assert!(series(&text, "handoff_outbox_oldest_pending_age_seconds").unwrap() > 0.0, "{text}");
+    assert_eq!(env.tasks().await.unwrap(), 0, "nothing passes the open transaction");
+
+    sqlx::raw_sql("COMMIT").execute(&mut blocker).await.unwrap();
+    series_reaches(relay_addr, "handoff_outbox_rows{state=\"pending\"}", 0.0).await.unwrap();
+    series_reaches(relay_addr, "handoff_outbox_oldest_pending_age_seconds", 0.0).await.unwrap();
+    eventually("every task", Duration::from_secs(120), || async { Ok((env.tasks().await? >= N).then_some(())) })
+        .await
+        .unwrap();
+    let text = metrics(relay_addr).await.unwrap();
+    assert_eq!(series(&text, &format!("handoff_relay_published_total{{action=\"{ACTION}\"}}")), Some(N as f64));
+    assert_eq!(series(&text, "handoff_outbox_held_back_rows"), Some(0.0), "{text}");
+    let created = format!("handoff_consumer_messages_total{{action=\"{ACTION}\",outcome=\"created\"}}");
+    series_reaches(consumer_addr, &created, N as f64).await.unwrap();
+    series_reaches(consumer_addr, "handoff_consumer_pending_messages", 0.0).await.unwrap();
+    assert_eq!(env.tasks().await.unwrap(), N);
+    assert_eq!(env.stream_messages().await.unwrap(), N as u64);
+
+    // After traffic every family is exposed (per-action series appear with their first row).
+    let relay_text = metrics(relay_addr).await.unwrap();
+    for name in RELAY_METRICS {
+        assert!(has_metric(&relay_text, name), "relay /metrics lacks {name}:\n{relay_text}");
+    }
+    let consumer_text = metrics(consumer_addr).await.unwrap();
+    for name in CONSUMER_METRICS {
+        assert!(has_metric(&consumer_text, name), "consumer /metrics lacks {name}:\n{consumer_text}");
+    }
+    assert!(!relay_text.contains("case-") && !consumer_text.contains("case-"), "no operation key in any label");
+}
+
+#[tokio::test]
+async fn readyz_is_503_while_the_database_is_unreachable_and_200_after() {
+    let env = TestEnv::start().await.unwrap();
+    let addr = free_local_addr().unwrap();
+    let _relay = env.relay_process_with(&[("HANDOFF_HTTP_ADDR", addr.to_string())]).unwrap();
+    eventually("/readyz 200", Duration::from_secs(60), || async {
+        Ok((status(addr, "/readyz").await? == Some(200)).then_some(()))
+    })
+    .await
+    .unwrap();
+
+    // A paused container answers nothing: connections hang, as behind a dead network path.
+    env.postgres.container().pause().await.unwrap();
+    let (code, body) = get(addr, "/readyz").await.unwrap();
+    env.postgres.container().unpause().await.unwrap();
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("\"name\":\"database\",\"ok\":false"), "{body}");
+    assert!(body.contains("\"name\":\"nats\",\"ok\":true"), "{body}");
+
+    eventually("/readyz 200 again", Duration::from_secs(60), || async {
+        Ok((status(addr, "/readyz").await? == Some(200)).then_some(()))
+    })
+    .await
+    .unwrap();
+    env.approve("case-1", "after the outage").await.unwrap();
+    eventually("published", Duration::from_secs(60), || async {
+        Ok((env.outbox().await?.published == 1).then_some(()))
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn healthz_is_503_naming_the_loop_a_fault_hook_stalls() {
+    let env = TestEnv::start().await.unwrap();
+    let stall_after = Duration::from_secs(2);
+    let relay = env.relay(handoff_relay::RelaySettings { stall_after, ..env.relay_settings() }).await.unwrap();
+    let consumer =
+        env.consumer(handoff_consumer::ConsumerSettings { stall_after, ..env.consumer_settings() }).await.unwrap();
+    let token = CancellationToken::new();
+    let mut addrs = Vec::new();
+    for endpoint in [relay.endpoint(), consumer.endpoint()] {
+        let listener = Endpoint::bind("127.0.0.1:0".parse().unwrap(), "test").await.unwrap();
+        addrs.push(listener.local_addr().unwrap());
+        tokio::spawn(endpoint.serve(listener, token.clone()));
+    }
+    let (relay_addr, consumer_addr) = (addrs[0], addrs[1]);
+    let relay_faults = relay.clone();
+    let relay_task = tokio::spawn(relay.run_until_stopped(token.clone()));
+    let consumer_faults = consumer.clone();
+    let consumer_task = tokio::spawn(consumer.run_until_stopped(token.clone()));
+    for addr in [relay_addr, consumer_addr] {
+        eventually("/healthz 200", Duration::from_secs(30), || async {
+            Ok((status(addr, "/healthz").await? == Some(200)).then_some(()))
+        })
+        .await
+        .unwrap();
+    }
+
+    // One relay worker hangs; so does the consumer's next batch, which the approval brings.
+    relay_faults.faults().stall_worker.store(1, Ordering::SeqCst);
+    consumer_faults.faults().stall_batch.store(1, Ordering::SeqCst);
+    env.approve("case-1", "stalls the consumer").await.unwrap();
+    for (addr, stalled) in [(relay_addr, "stalled: relay worker"), (consumer_addr, "stalled: consumer fetch loop")] {
+        let body = eventually("/healthz 503", Duration::from_secs(30), || async {
+            let (code, body) = get(addr, "/healthz").await?;
+            Ok((code == 503).then_some(body))
+        })
+        .await
+        .unwrap();
+        assert!(body.contains(stalled), "{body}");
+        // Only the stalled loop is named: the relay's other worker and the samplers still beat.
+        assert_eq!(body.lines().count(), 1, "{body}");
+    }
+    assert_eq!(env.tasks().await.unwrap(), 0, "the stalled batch created nothing");
+    token.cancel();
+    relay_task.await.unwrap().unwrap();
+    consumer_task.abort();
+}
