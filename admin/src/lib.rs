@@ -6,7 +6,9 @@
 //! * [`status`]: the whole path on one screen, with the seeds' measures.
 //! * [`explain`]: one key's timeline across every table and the stream.
 //! * [`reconcile`]: published rows against the stream and the consumer; `--repair`.
-//! * [`queue`]: the review queue (`list`, `resolve`, `approve-retry`, `export`).
+//! * [`queue`]: the queues (`list`, `export`; `blocked`, `conflicts`, `dead-letter`), resolved with
+//!   `resolve`, `approve-retry`, `blocked unblock`, `conflicts resolve`, `dead-letter replay`.
+//! * `pause` / `resume` of an action type, at the relays and at the dispatchers.
 
 pub mod connect;
 pub mod explain;
@@ -27,7 +29,7 @@ use crate::queue::Queue;
 /// Exit status of `reconcile` when it found keys that differ (0 means everything matched).
 pub const EXIT_MISMATCHES: u8 = 3;
 
-/// Operators' command for handoff: status, explain, reconcile, and the review queue.
+/// Operators' command for handoff: status, explain, reconcile, the queues, pause and resume.
 #[derive(Debug, Parser)]
 #[command(name = "handoff-admin", version)]
 pub struct Cli {
@@ -114,6 +116,83 @@ pub enum Command {
         #[arg(long = "state", value_enum)]
         states: Vec<Queue>,
     },
+    /// Outbox rows the relay gave up on (producer database).
+    #[command(subcommand)]
+    Blocked(BlockedCommand),
+    /// Same key, different payload (consumer database).
+    #[command(subcommand)]
+    Conflicts(ConflictsCommand),
+    /// Messages that could not be processed (consumer database).
+    #[command(subcommand)]
+    DeadLetter(DeadLetterCommand),
+    /// Pause an action type (`namespace:action`): relays hold its rows without counting attempts,
+    /// dispatchers hold its CRM calls. Applies to each database given.
+    Pause {
+        action_type: String,
+        #[arg(long)]
+        actor: String,
+        #[arg(long)]
+        reason: String,
+    },
+    /// Resume a paused action type: held rows are published, held calls made.
+    Resume {
+        action_type: String,
+        #[arg(long)]
+        actor: String,
+        #[arg(long)]
+        reason: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum BlockedCommand {
+    /// List blocked rows with their last error.
+    List,
+    /// Put a blocked row back for publishing (same key, fresh attempt budget; audited).
+    Unblock {
+        operation_key: String,
+        #[arg(long)]
+        actor: String,
+        #[arg(long)]
+        reason: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ConflictsCommand {
+    /// List unresolved conflicts.
+    List,
+    /// Show one conflict.
+    Show { id: i64 },
+    /// Record a person's decision and close the conflict (the approved task stays as it is).
+    Resolve {
+        id: i64,
+        #[arg(long)]
+        actor: String,
+        #[arg(long)]
+        reason: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum DeadLetterCommand {
+    /// List unresolved dead letters.
+    List,
+    /// Show one dead letter with its headers (and its body with --body: it may hold personal data).
+    Show {
+        id: i64,
+        #[arg(long)]
+        body: bool,
+    },
+    /// Ask the replicas to replay a dead letter once its cause is fixed (audited); a replica handles
+    /// it within its sample interval, and the inbox still decides once per key.
+    Replay {
+        id: i64,
+        #[arg(long)]
+        actor: String,
+        #[arg(long)]
+        reason: String,
+    },
 }
 
 /// Runs one command; the exit code says whether reconciliation found differences.
@@ -164,10 +243,8 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
             }
         }
         Command::List { states } => {
-            let consumer = c.consumer("list").await?;
-            let producer =
-                if states.contains(&Queue::Blocked) { Some(c.producer("list --state blocked").await?) } else { None };
-            let rows = queue::list(&consumer, producer.as_ref(), &states).await?;
+            let (consumer, producer) = queue_databases(c, "list", &states).await?;
+            let rows = queue::list(consumer.as_ref(), producer.as_ref(), &states).await?;
             print(cli.json, &rows, queue::render)?;
         }
         Command::Resolve { operation_key, receipt, actor, reason } => {
@@ -182,14 +259,106 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
             println!("{operation_key}: one new attempt approved");
         }
         Command::Export { format, states } => {
-            let consumer = c.consumer("export").await?;
-            let producer =
-                if states.contains(&Queue::Blocked) { Some(c.producer("export --state blocked").await?) } else { None };
-            let rows = queue::list(&consumer, producer.as_ref(), &states).await?;
+            let (consumer, producer) = queue_databases(c, "export", &states).await?;
+            let rows = queue::list(consumer.as_ref(), producer.as_ref(), &states).await?;
             print!("{}", queue::export(&rows, format)?);
+        }
+        Command::Blocked(BlockedCommand::List) => {
+            let producer = c.producer("blocked list").await?;
+            let rows = queue::list(None, Some(&producer), &[Queue::Blocked]).await?;
+            print(cli.json, &rows, queue::render)?;
+        }
+        Command::Blocked(BlockedCommand::Unblock { operation_key, actor, reason }) => {
+            let producer = c.producer("blocked unblock").await?;
+            handoff_relay::outbox::unblock(&producer, &operation_key, &actor, &reason).await?;
+            println!("{operation_key}: unblocked; the relay publishes it at its next claim");
+        }
+        Command::Conflicts(ConflictsCommand::List) => {
+            let consumer = c.consumer("conflicts list").await?;
+            let rows = queue::list(Some(&consumer), None, &[Queue::Conflict]).await?;
+            print(cli.json, &rows, queue::render)?;
+        }
+        Command::Conflicts(ConflictsCommand::Show { id }) => {
+            let consumer = c.consumer("conflicts show").await?;
+            let row = handoff_consumer::review::conflict(&consumer, id).await?;
+            print(cli.json, &row, |r| format!("{r:#?}\n"))?;
+        }
+        Command::Conflicts(ConflictsCommand::Resolve { id, actor, reason }) => {
+            let consumer = c.consumer("conflicts resolve").await?;
+            let row = handoff_consumer::review::resolve_conflict(&consumer, id, &actor, &reason).await?;
+            println!("conflict {id} ({}): resolved by {actor}", row.operation_key);
+        }
+        Command::DeadLetter(DeadLetterCommand::List) => {
+            let consumer = c.consumer("dead-letter list").await?;
+            let rows = queue::list(Some(&consumer), None, &[Queue::DeadLetter]).await?;
+            print(cli.json, &rows, queue::render)?;
+        }
+        Command::DeadLetter(DeadLetterCommand::Show { id, body }) => {
+            let consumer = c.consumer("dead-letter show").await?;
+            let letter = handoff_consumer::review::dead_letter(&consumer, id).await?;
+            print(cli.json, &letter, |l| format!("{l:#?}\n"))?;
+            if body {
+                println!("{}", String::from_utf8_lossy(&letter.body));
+            }
+        }
+        Command::DeadLetter(DeadLetterCommand::Replay { id, actor, reason }) => {
+            let consumer = c.consumer("dead-letter replay").await?;
+            handoff_consumer::review::request_replay(&consumer, id, &actor, &reason).await?;
+            println!("dead letter {id}: replay requested; a replica handles it within its sample interval");
+        }
+        Command::Pause { action_type, actor, reason } => {
+            handoff_relay::outbox::check_action_type(&action_type)?;
+            let (producer, consumer) = (c.producer_if_given().await?, c.consumer_if_given().await?);
+            anyhow::ensure!(
+                producer.is_some() || consumer.is_some(),
+                "pause needs --producer-database-url (relays hold rows) and/or --consumer-database-url (dispatchers hold calls)"
+            );
+            if let Some(pool) = &producer {
+                handoff_relay::outbox::pause(pool, &action_type, &actor, &reason).await?;
+                println!("{action_type}: paused at the producer; relays hold its rows within their sample interval");
+            }
+            if let Some(pool) = &consumer {
+                handoff_consumer::review::pause(pool, &action_type, &actor, &reason).await?;
+                println!("{action_type}: paused at the consumer; dispatchers hold its CRM calls from their next claim");
+            }
+        }
+        Command::Resume { action_type, actor, reason } => {
+            handoff_relay::outbox::check_action_type(&action_type)?;
+            let (producer, consumer) = (c.producer_if_given().await?, c.consumer_if_given().await?);
+            anyhow::ensure!(
+                producer.is_some() || consumer.is_some(),
+                "resume needs --producer-database-url and/or --consumer-database-url"
+            );
+            if let Some(pool) = &producer {
+                handoff_relay::outbox::resume(pool, &action_type, &actor, &reason).await?;
+                println!(
+                    "{action_type}: resumed at the producer; relays release its rows within their sample interval"
+                );
+            }
+            if let Some(pool) = &consumer {
+                handoff_consumer::review::resume(pool, &action_type, &actor, &reason).await?;
+                println!("{action_type}: resumed at the consumer");
+            }
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The databases the named queues live in: the consumer's for all but `blocked`, the producer's
+/// for `blocked`.
+async fn queue_databases(
+    c: &Connections,
+    command: &str,
+    queues: &[Queue],
+) -> Result<(Option<sqlx::PgPool>, Option<sqlx::PgPool>)> {
+    let queues = if queues.is_empty() { &queue::DEFAULT_QUEUES[..] } else { queues };
+    let consumer = if queues.iter().any(|q| *q != Queue::Blocked) { Some(c.consumer(command).await?) } else { None };
+    let producer = if queues.contains(&Queue::Blocked) {
+        Some(c.producer(&format!("{command} --state blocked")).await?)
+    } else {
+        None
+    };
+    Ok((consumer, producer))
 }
 
 fn print<T: serde::Serialize>(json: bool, value: &T, render: fn(&T) -> String) -> Result<()> {

@@ -40,15 +40,20 @@ pub struct QueueRow {
     pub since: DateTime<Utc>,
 }
 
-/// Rows of `queues` (default: unknown and review), oldest first within each queue.
-pub async fn list(consumer: &PgPool, producer: Option<&PgPool>, queues: &[Queue]) -> Result<Vec<QueueRow>> {
-    let queues = if queues.is_empty() { &[Queue::Unknown, Queue::Review][..] } else { queues };
+/// The queues `list` shows when none is named.
+pub const DEFAULT_QUEUES: [Queue; 2] = [Queue::Unknown, Queue::Review];
+
+/// Rows of `queues` (default: [`DEFAULT_QUEUES`]), oldest first within each queue. The blocked
+/// queue is in the producer database, the others in the consumer database.
+pub async fn list(consumer: Option<&PgPool>, producer: Option<&PgPool>, queues: &[Queue]) -> Result<Vec<QueueRow>> {
+    let queues = if queues.is_empty() { &DEFAULT_QUEUES[..] } else { queues };
+    let needs_consumer = || anyhow::anyhow!("this queue is in the consumer database");
     let mut rows = Vec::new();
     for &queue in queues {
         match queue {
             Queue::Unknown | Queue::Review => {
                 let state = if queue == Queue::Unknown { "unknown" } else { "review" };
-                for r in review::list(consumer, &[state]).await? {
+                for r in review::list(consumer.ok_or_else(needs_consumer)?, &[state]).await? {
                     rows.push(QueueRow {
                         queue,
                         operation_key: r.operation_key,
@@ -61,7 +66,7 @@ pub async fn list(consumer: &PgPool, producer: Option<&PgPool>, queues: &[Queue]
                 }
             }
             Queue::Conflict => {
-                for r in review::open_conflicts(consumer).await? {
+                for r in review::open_conflicts(consumer.ok_or_else(needs_consumer)?).await? {
                     rows.push(QueueRow {
                         queue,
                         operation_key: r.operation_key,
@@ -74,7 +79,7 @@ pub async fn list(consumer: &PgPool, producer: Option<&PgPool>, queues: &[Queue]
                 }
             }
             Queue::DeadLetter => {
-                for r in review::dead_letters(consumer).await? {
+                for r in review::dead_letters(consumer.ok_or_else(needs_consumer)?).await? {
                     rows.push(QueueRow {
                         queue,
                         operation_key: r.message_id.unwrap_or_else(|| "-".into()),

@@ -69,6 +69,10 @@ pub struct ConsumerConfig {
     pub log_format: LogFormat,
     #[command(flatten)]
     pub crm: CrmArgs,
+    /// With --crm http: verify and record intake (inbox and ledger rows) and acknowledge, but never
+    /// call the CRM; the ledger rows wait for a replica without --dry-run.
+    #[arg(long, env = "HANDOFF_DRY_RUN", default_value_t = false)]
+    pub dry_run: bool,
 }
 
 /// Seconds a CRM lease must exceed the request timeout by.
@@ -232,6 +236,15 @@ impl CrmArgs {
 }
 
 impl ConsumerConfig {
+    /// Settings that are valid one by one but not together, refused before anything starts.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            !self.dry_run || self.crm.mode == CrmMode::Http,
+            "--dry-run (HANDOFF_DRY_RUN) needs --crm http: with the local CRM, recording intake is creating the task"
+        );
+        Ok(())
+    }
+
     /// The durable consumer these flags describe.
     pub fn subscription(&self) -> anyhow::Result<SubscriptionSettings> {
         let subjects = Subjects::new(self.subject_prefix.clone())?;

@@ -13,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 fn main() -> anyhow::Result<()> {
     let config = ConsumerConfig::parse();
     handoff_shared::config::init_tracing(config.log_format);
+    config.validate()?;
     config.runtime.build()?.block_on(run(config))
 }
 
@@ -35,13 +36,21 @@ async fn run(config: ConsumerConfig) -> anyhow::Result<()> {
             let consumer =
                 Consumer::build(pool.clone(), client.clone(), &subscription, ledger, config.settings()).await?;
             serve_endpoint(&config, consumer.endpoint(), &token).await?;
-            let dispatcher = Dispatcher::new(pool, crm, config.crm.dispatch_settings()).observed_by(
-                consumer.metrics(),
-                consumer.liveness(),
-                config.observe.stall_after(),
-            );
-            // Either half failing stops the replica; the orchestrator restarts it.
-            tokio::try_join!(consumer.run_until_stopped(token.clone()), dispatcher.run_until_stopped(token.clone()))?;
+            if config.dry_run {
+                tracing::warn!("dry run: intake is recorded and acknowledged; this replica makes no CRM call");
+                consumer.run_until_stopped(token).await?;
+            } else {
+                let dispatcher = Dispatcher::new(pool, crm, config.crm.dispatch_settings()).observed_by(
+                    consumer.metrics(),
+                    consumer.liveness(),
+                    config.observe.stall_after(),
+                );
+                // Either half failing stops the replica; the orchestrator restarts it.
+                tokio::try_join!(
+                    consumer.run_until_stopped(token.clone()),
+                    dispatcher.run_until_stopped(token.clone())
+                )?;
+            }
         }
     }
     client.drain().await?;

@@ -73,6 +73,11 @@ pub enum ReviewError {
     /// Every resolution names who made it and why.
     #[error("{0} must not be empty")]
     Missing(&'static str),
+    #[error("no {0} with id {1}")]
+    NoSuchRow(&'static str, i64),
+    /// Resolved rows stay as they were resolved.
+    #[error("{0} {1} is resolved already")]
+    AlreadyResolved(&'static str, i64),
     #[error("review database error")]
     Database(#[from] sqlx::Error),
 }
@@ -460,7 +465,7 @@ pub async fn pause(pool: &PgPool, action_type: &str, actor: &str, reason: &str) 
     .await?
     .rows_affected()
         > 0;
-    audit_action_type(&mut tx, action_type, actor, "pause", reason).await?;
+    audit(&mut tx, None, Some(action_type), actor, "pause", reason).await?;
     tx.commit().await?;
     Ok(added)
 }
@@ -475,7 +480,7 @@ pub async fn resume(pool: &PgPool, action_type: &str, actor: &str, reason: &str)
         .await?
         .rows_affected()
         > 0;
-    audit_action_type(&mut tx, action_type, actor, "resume", reason).await?;
+    audit(&mut tx, None, Some(action_type), actor, "resume", reason).await?;
     tx.commit().await?;
     // Wake the dispatchers: the rows are due already.
     sqlx::query("SELECT pg_notify($1, '')").bind(crate::dispatcher::NOTIFY_CHANNEL).execute(pool).await?;
@@ -492,19 +497,136 @@ fn require(actor: &str, reason: &str) -> Result<(), ReviewError> {
     Ok(())
 }
 
-async fn audit_action_type(
+/// An operator action on a key or on a whole action type.
+async fn audit(
     conn: &mut sqlx::PgConnection,
-    action_type: &str,
+    key: Option<&str>,
+    action_type: Option<&str>,
     actor: &str,
     action: &str,
     reason: &str,
 ) -> Result<(), sqlx::Error> {
-    sqlx::query("INSERT INTO handoff_consumer.audit (action_type, actor, action, reason) VALUES ($1, $2, $3, $4)")
-        .bind(action_type)
-        .bind(actor.trim())
-        .bind(action)
-        .bind(reason.trim())
-        .execute(&mut *conn)
-        .await?;
+    sqlx::query(
+        "INSERT INTO handoff_consumer.audit (operation_key, action_type, actor, action, reason) VALUES ($1, $2, $3, $4, $5)",
+    )
+    .bind(key)
+    .bind(action_type)
+    .bind(actor.trim())
+    .bind(action)
+    .bind(reason.trim())
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+/// One conflict, by id.
+pub async fn conflict(pool: &PgPool, id: i64) -> Result<ConflictRow, ReviewError> {
+    sqlx::query_as(
+        r#"SELECT id, operation_key, reason, incoming_hash, existing_hash, stream_sequence, recorded_at,
+                  resolved_at, resolved_by, resolution
+             FROM handoff_consumer.review WHERE id = $1"#,
+    )
+    .bind(id)
+    .fetch_optional(pool)
+    .await?
+    .ok_or(ReviewError::NoSuchRow("conflict", id))
+}
+
+/// A person decided a conflict (the approved task stays as it is; a changed action needs a new
+/// approval under a new key version): resolves it with an audit row. Nothing else changes.
+pub async fn resolve_conflict(pool: &PgPool, id: i64, actor: &str, reason: &str) -> Result<ConflictRow, ReviewError> {
+    require(actor, reason)?;
+    let mut tx = pool.begin().await?;
+    let key: Option<(String, bool)> = sqlx::query_as(
+        "SELECT operation_key, resolved_at IS NOT NULL FROM handoff_consumer.review WHERE id = $1 FOR UPDATE",
+    )
+    .bind(id)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some((key, resolved)) = key else { return Err(ReviewError::NoSuchRow("conflict", id)) };
+    if resolved {
+        return Err(ReviewError::AlreadyResolved("conflict", id));
+    }
+    sqlx::query(
+        "UPDATE handoff_consumer.review SET resolved_at = now(), resolved_by = $2, resolution = $3 WHERE id = $1",
+    )
+    .bind(id)
+    .bind(actor.trim())
+    .bind(reason.trim())
+    .execute(&mut *tx)
+    .await?;
+    audit(&mut tx, Some(&key), None, actor, "resolve_conflict", reason).await?;
+    tx.commit().await?;
+    conflict(pool, id).await
+}
+
+/// A dead letter in full, for `dead-letter show`: its headers, and its body only when asked for
+/// (it may hold personal data).
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct DeadLetterDetail {
+    pub id: i64,
+    pub stream_sequence: i64,
+    pub subject: String,
+    pub message_id: Option<String>,
+    pub reason: String,
+    pub deliveries: i64,
+    pub headers: sqlx::types::Json<serde_json::Value>,
+    #[serde(skip)]
+    pub body: Vec<u8>,
+    pub recorded_at: DateTime<Utc>,
+    pub replay_requested_at: Option<DateTime<Utc>>,
+    pub replay_requested_by: Option<String>,
+    pub last_replay: Option<String>,
+    pub resolved_at: Option<DateTime<Utc>>,
+    pub resolved_by: Option<String>,
+    pub resolution: Option<String>,
+}
+
+/// One dead letter, by id.
+pub async fn dead_letter(pool: &PgPool, id: i64) -> Result<DeadLetterDetail, ReviewError> {
+    sqlx::query_as(
+        r#"SELECT id, stream_sequence, subject, message_id, reason, deliveries, headers, body, recorded_at,
+                  replay_requested_at, replay_requested_by, last_replay, resolved_at, resolved_by, resolution
+             FROM handoff_consumer.dead_letter WHERE id = $1"#,
+    )
+    .bind(id)
+    .fetch_optional(pool)
+    .await?
+    .ok_or(ReviewError::NoSuchRow("dead letter", id))
+}
+
+/// Asks the replicas to replay a dead letter once its cause is fixed (they pick it up at their
+/// next sample interval; see `Consumer::replay_requested`), with an audit row.
+pub async fn request_replay(pool: &PgPool, id: i64, actor: &str, reason: &str) -> Result<(), ReviewError> {
+    require(actor, reason)?;
+    let mut tx = pool.begin().await?;
+    let row: Option<(Option<String>, bool)> = sqlx::query_as(
+        "SELECT message_id, resolved_at IS NOT NULL FROM handoff_consumer.dead_letter WHERE id = $1 FOR UPDATE",
+    )
+    .bind(id)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some((message_id, resolved)) = row else { return Err(ReviewError::NoSuchRow("dead letter", id)) };
+    if resolved {
+        return Err(ReviewError::AlreadyResolved("dead letter", id));
+    }
+    sqlx::query(
+        r#"UPDATE handoff_consumer.dead_letter SET replay_requested_at = now(), replay_requested_by = $2
+            WHERE id = $1"#,
+    )
+    .bind(id)
+    .bind(actor.trim())
+    .execute(&mut *tx)
+    .await?;
+    audit(
+        &mut tx,
+        message_id.as_deref(),
+        None,
+        actor,
+        "replay_dead_letter",
+        &format!("dead letter {id}: {}", reason.trim()),
+    )
+    .await?;
+    tx.commit().await?;
     Ok(())
 }

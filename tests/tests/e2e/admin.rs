@@ -194,3 +194,183 @@ async fn a_stream_that_reuses_lost_sequences_is_reconciled_as_sequence_reuse() {
     assert_eq!((counts.tasks, counts.inbox, counts.dead_letters, counts.reviews), (14, 14, 0, 0));
     env.admin(&["reconcile"]).await.unwrap().expect_code(0).unwrap();
 }
+
+const ACTION: &str = "harbor:create-followup";
+
+#[tokio::test]
+async fn a_paused_action_type_is_held_without_attempts_and_published_once_when_resumed() {
+    let env = TestEnv::start().await.unwrap();
+    let relay = env.relay(env.relay_settings()).await.unwrap();
+    let consumer = env.consumer(env.consumer_settings()).await.unwrap();
+    let paused = env.admin(&["pause", ACTION, "--actor", "ana", "--reason", "CRM incident"]).await.unwrap();
+    let paused = paused.expect_code(0).unwrap().stdout;
+    assert!(paused.contains("paused at the producer") && paused.contains("paused at the consumer"), "{paused}");
+    // The relay learns of pauses with its samples; this one takes the sample now.
+    relay.sample().await.unwrap();
+
+    env.approve_many_via_sql(1, 5).await.unwrap();
+    let batch = relay.publish_batch().await.unwrap();
+    assert_eq!((batch.claimed, batch.held, batch.published), (5, 5, 0), "{batch:?}");
+    assert_eq!(relay.publish_batch().await.unwrap().claimed, 0, "held rows are never due");
+    let rows: Vec<(String, i32)> = sqlx::query_as("SELECT state, attempts FROM handoff.outbox ORDER BY id")
+        .fetch_all(&env.producer_db)
+        .await
+        .unwrap();
+    assert_eq!(rows, vec![("pending".to_owned(), 0); 5], "no attempt counted");
+    assert_eq!(env.stream_messages().await.unwrap(), 0);
+    let held =
+        relay.metrics().held_paused.get_or_create(&handoff_relay::metrics::ActionLabel { action: ACTION.into() }).get();
+    assert_eq!(held, 5);
+    assert!(verdict(&env, "case-1").await.starts_with("held at the producer: its action type is paused"));
+    let status = env.admin(&["--json", "status"]).await.unwrap().expect_code(0).unwrap().stdout;
+    let status: serde_json::Value = serde_json::from_str(&status).unwrap();
+    assert_eq!(status["outbox"]["paused"], serde_json::json!([ACTION]));
+    assert_eq!(status["consumer"]["paused"], serde_json::json!([ACTION]));
+    assert_eq!(status["outbox"]["pending"], 5);
+
+    env.admin(&["resume", ACTION, "--actor", "ana", "--reason", "CRM back"]).await.unwrap().expect_code(0).unwrap();
+    relay.sample().await.unwrap();
+    let batch = relay.publish_batch().await.unwrap();
+    assert_eq!((batch.published, batch.held), (5, 0), "{batch:?}");
+    assert_eq!(relay.publish_batch().await.unwrap().claimed, 0);
+    let attempts: Vec<i32> = sqlx::query_scalar("SELECT attempts FROM handoff.outbox ORDER BY id")
+        .fetch_all(&env.producer_db)
+        .await
+        .unwrap();
+    assert_eq!(attempts, [1; 5]);
+    consumer.fetch_and_handle(WAIT).await.unwrap();
+    assert_eq!((env.stream_messages().await.unwrap(), env.tasks().await.unwrap()), (5, 5));
+    let audit: Vec<String> = sqlx::query_scalar("SELECT action FROM handoff.audit WHERE action_type = $1 ORDER BY id")
+        .bind(ACTION)
+        .fetch_all(&env.producer_db)
+        .await
+        .unwrap();
+    assert_eq!(audit, ["pause", "resume"]);
+    // A bad action type changes nothing.
+    let refused =
+        env.admin(&["pause", "Harbor", "--actor", "ana", "--reason", "x"]).await.unwrap().expect_code(1).unwrap();
+    assert!(refused.stderr.contains("is not an action type"), "{}", refused.stderr);
+}
+
+#[tokio::test]
+async fn unblocking_a_blocked_row_publishes_it_once() {
+    let env = TestEnv::start().await.unwrap();
+    let relay = env.relay(env.relay_settings()).await.unwrap();
+    let consumer = env.consumer(env.consumer_settings()).await.unwrap();
+    env.approve("case-1", SEED_TITLE).await.unwrap();
+    let original: serde_json::Value =
+        sqlx::query_scalar("SELECT payload FROM handoff.approved_action").fetch_one(&env.producer_db).await.unwrap();
+    sqlx::query("UPDATE handoff.approved_action SET payload = '{\"case_id\": \"case-1\", \"title\": \"edited\"}'")
+        .execute(&env.producer_db)
+        .await
+        .unwrap();
+    assert_eq!(relay.publish_batch().await.unwrap().blocked, 1);
+    let listed = env.admin(&["blocked", "list"]).await.unwrap().expect_code(0).unwrap().stdout;
+    assert!(listed.contains(&key("case-1")) && listed.contains("payload changed after approval"), "{listed}");
+
+    // The cause is fixed (the approved payload restored), then the row is unblocked.
+    sqlx::query("UPDATE handoff.approved_action SET payload = $1")
+        .bind(original)
+        .execute(&env.producer_db)
+        .await
+        .unwrap();
+    env.admin(&["blocked", "unblock", &key("case-1"), "--actor", "ana", "--reason", "payload restored"])
+        .await
+        .unwrap()
+        .expect_code(0)
+        .unwrap();
+    assert_eq!(relay.publish_batch().await.unwrap().published, 1);
+    assert_eq!(relay.publish_batch().await.unwrap().claimed, 0);
+    consumer.fetch_and_handle(WAIT).await.unwrap();
+    assert_eq!((env.stream_messages().await.unwrap(), env.tasks().await.unwrap()), (1, 1));
+    let again =
+        env.admin(&["blocked", "unblock", &key("case-1"), "--actor", "ana", "--reason", "again"]).await.unwrap();
+    let again = again.expect_code(1).unwrap();
+    assert!(again.stderr.contains("is published, not blocked"), "{}", again.stderr);
+    let explained = env.admin(&["explain", &key("case-1")]).await.unwrap().expect_code(0).unwrap().stdout;
+    assert!(explained.contains("unblock by ana: payload restored"), "{explained}");
+}
+
+#[tokio::test]
+async fn replaying_a_dead_letter_after_its_cause_is_fixed_creates_exactly_one_task() {
+    let env = TestEnv::start().await.unwrap();
+    let relay = env.relay(env.relay_settings()).await.unwrap();
+    let settings = handoff_consumer::ConsumerSettings { dead_letter_after: 2, ..env.consumer_settings() };
+    let consumer = env.consumer(settings).await.unwrap();
+    env.approve("case-1", SEED_TITLE).await.unwrap();
+    relay.publish_batch().await.unwrap();
+    // The database fails every batch until the message is dead-lettered.
+    consumer.faults().fail_transaction.store(u32::MAX, Ordering::SeqCst);
+    eventually("the dead letter", Duration::from_secs(30), || async {
+        let handled = consumer.fetch_and_handle(Duration::from_secs(1)).await?;
+        Ok(handled.iter().any(|h| matches!(h, handoff_consumer::Handled::DeadLettered { .. })).then_some(()))
+    })
+    .await
+    .unwrap();
+    consumer.faults().fail_transaction.store(0, Ordering::SeqCst);
+    assert_eq!(env.tasks().await.unwrap(), 0);
+    let listed = env.admin(&["--json", "dead-letter", "list"]).await.unwrap().expect_code(0).unwrap().stdout;
+    let listed: serde_json::Value = serde_json::from_str(&listed).unwrap();
+    let id = listed[0]["id"].as_i64().unwrap();
+    let shown = env.admin(&["dead-letter", "show", &id.to_string()]).await.unwrap().expect_code(0).unwrap().stdout;
+    assert!(shown.contains("failed 2 deliveries") && !shown.contains(SEED_TITLE), "no body unless asked: {shown}");
+
+    env.admin(&["dead-letter", "replay", &id.to_string(), "--actor", "ana", "--reason", "database fixed"])
+        .await
+        .unwrap()
+        .expect_code(0)
+        .unwrap();
+    let replayed = consumer.replay_requested(10).await.unwrap();
+    assert!(
+        matches!(replayed.as_slice(), [(i, handoff_consumer::Handled::Created { .. })] if *i == id),
+        "{replayed:?}"
+    );
+    assert!(consumer.replay_requested(10).await.unwrap().is_empty(), "a replay runs once");
+    assert_eq!(env.tasks().await.unwrap(), 1);
+    let again =
+        env.admin(&["dead-letter", "replay", &id.to_string(), "--actor", "ana", "--reason", "again"]).await.unwrap();
+    assert!(again.expect_code(1).unwrap().stderr.contains("resolved already"));
+    let empty = env.admin(&["dead-letter", "list"]).await.unwrap().expect_code(0).unwrap().stdout;
+    assert!(empty.contains("nothing in these queues"), "{empty}");
+    assert!(verdict(&env, "case-1").await.starts_with("done: task"));
+}
+
+#[tokio::test]
+async fn a_conflict_is_listed_shown_and_resolved_with_an_audit_row() {
+    let env = TestEnv::start().await.unwrap();
+    let relay = env.relay(env.relay_settings()).await.unwrap();
+    let consumer = env.consumer(env.consumer_settings()).await.unwrap();
+    sqlx::query(
+        "INSERT INTO handoff_consumer.crm_task (operation_key, payload_hash, payload, approved_by)
+         VALUES ($1, repeat('0', 64), '{\"case_id\": \"case-1\"}', 'someone-else')",
+    )
+    .bind(key("case-1"))
+    .execute(&env.consumer_db)
+    .await
+    .unwrap();
+    env.approve("case-1", SEED_TITLE).await.unwrap();
+    relay.publish_batch().await.unwrap();
+    consumer.fetch_and_handle(WAIT).await.unwrap();
+    let listed = env.admin(&["--json", "conflicts", "list"]).await.unwrap().expect_code(0).unwrap().stdout;
+    let listed: serde_json::Value = serde_json::from_str(&listed).unwrap();
+    assert_eq!(listed.as_array().unwrap().len(), 1, "{listed}");
+    let id = listed[0]["id"].as_i64().unwrap().to_string();
+    let shown = env.admin(&["conflicts", "show", &id]).await.unwrap().expect_code(0).unwrap().stdout;
+    assert!(shown.contains("CRM holds different content"), "{shown}");
+    env.admin(&["conflicts", "resolve", &id, "--actor", "ana", "--reason", "CRM task is the approved one"])
+        .await
+        .unwrap()
+        .expect_code(0)
+        .unwrap();
+    let listed = env.admin(&["conflicts", "list"]).await.unwrap().expect_code(0).unwrap().stdout;
+    assert!(listed.contains("nothing in these queues"), "{listed}");
+    let audit: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM handoff_consumer.audit WHERE action = 'resolve_conflict'")
+            .fetch_one(&env.consumer_db)
+            .await
+            .unwrap();
+    assert_eq!(audit, 1);
+    assert_eq!(env.tasks().await.unwrap(), 1, "nothing was created or replaced");
+    let refused = env.admin(&["conflicts", "resolve", &id, "--actor", "ana", "--reason", "again"]).await.unwrap();
+    assert!(refused.expect_code(1).unwrap().stderr.contains("resolved already"));
+}

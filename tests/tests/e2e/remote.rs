@@ -488,3 +488,48 @@ async fn running_dispatchers_on_two_replicas_settle_every_action_once_through_fa
     .unwrap();
     assert_eq!(decisions, N);
 }
+
+#[tokio::test]
+async fn a_dry_run_replica_records_intake_and_never_calls_the_crm() {
+    let (env, sim) = setup(SimConfig::default()).await;
+    let relay = env.relay(env.relay_settings()).await.unwrap();
+    let remote = [
+        ("HANDOFF_CRM", "http".to_owned()),
+        ("HANDOFF_CRM_URL", sim.url.clone()),
+        ("HANDOFF_CRM_TOKEN", SimConfig::default().auth_token),
+        ("HANDOFF_CRM_ACCOUNT", handoff_tests::remote::ACCOUNT.to_owned()),
+    ];
+    let mut dry = remote.to_vec();
+    dry.push(("HANDOFF_DRY_RUN", "true".to_owned()));
+    let mut replica = env.consumer_process_with(&dry).unwrap();
+    env.approve("case-104", SEED_TITLE).await.unwrap();
+    relay.publish_batch().await.unwrap();
+    eventually("the ledger row", Duration::from_secs(60), || async {
+        Ok((env.ledger_state(KEY).await.ok().as_deref() == Some(state::RECEIVED)).then_some(()))
+    })
+    .await
+    .unwrap();
+    assert_eq!((sim.effects().await.unwrap(), sim.creates()), (0, 0), "no CRM call in a dry run");
+    assert!(replica.terminate().await.unwrap().success());
+
+    // A replica without --dry-run takes the recorded intake to the CRM, once.
+    let _replica = env.consumer_process_with(&remote).unwrap();
+    eventually("settled", Duration::from_secs(60), || async {
+        Ok((env.ledger_state(KEY).await? == state::SETTLED).then_some(()))
+    })
+    .await
+    .unwrap();
+    assert_eq!((sim.effects().await.unwrap(), sim.creates()), (1, 1));
+
+    // --dry-run with the local CRM is refused at startup, naming the setting.
+    let refused = handoff_tests::process::run_binary(
+        "handoff-consumer",
+        &[("DATABASE_URL", env.consumer_url()), ("HANDOFF_DRY_RUN", "true".to_owned())],
+        &[],
+        Duration::from_secs(30),
+    )
+    .await
+    .unwrap();
+    assert_ne!(refused.code, Some(0));
+    assert!(refused.stderr.contains("--dry-run (HANDOFF_DRY_RUN) needs --crm http"), "{}", refused.stderr);
+}
