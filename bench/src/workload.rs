@@ -80,6 +80,7 @@ pub fn envelope(batch: &str, i: i64) -> Result<(String, Bytes)> {
         approval: Approval::new("user-17", now)?,
         source: "/handoff/bench".into(),
         time: now,
+        traceparent: None,
     };
     Ok((key.to_string(), envelope.encode()))
 }

@@ -363,6 +363,7 @@ impl<C: Crm + 'static> Consumer<C> {
                     payload_hash: env.payload.hash().to_string(),
                     payload: env.payload.value().clone(),
                     approved_by: env.approval.approved_by().to_owned(),
+                    traceparent: env.traceparent.map(|tp| tp.to_string()),
                 });
             }
         }
@@ -669,6 +670,9 @@ fn verify(message: Message) -> Incoming {
 /// Logs what a committed batch did that is worth a line.
 fn log_outcomes(incoming: &[Incoming], outcomes: &[Handled]) {
     for (m, outcome) in incoming.iter().zip(outcomes) {
+        // The producer's trace continues here: every line about the action carries its trace id.
+        let trace_id = m.verified.as_ref().ok().and_then(|env| env.traceparent).map(|tp| tp.trace_id());
+        let _span = trace_id.as_deref().map(|trace_id| tracing::info_span!("action", trace_id).entered());
         match outcome {
             Handled::Created { operation_key, task_id } => {
                 tracing::debug!(%operation_key, task_id, sequence = m.sequence, "task created");

@@ -14,6 +14,8 @@ pub struct TaskRequest {
     pub payload_hash: String,
     pub payload: serde_json::Value,
     pub approved_by: String,
+    /// The producer's trace context, kept with the task (diagnostic only).
+    pub traceparent: Option<String>,
 }
 
 /// What the CRM did for one request (the receiver contract of seed 000).
@@ -78,8 +80,8 @@ impl Crm for LocalCrm {
     ) -> Result<Vec<TaskOutcome>, CrmError> {
         // The unique constraint on operation_key decides; ON CONFLICT keeps the transaction alive.
         const CREATE_TASKS: &str = r#"
-            INSERT INTO handoff_consumer.crm_task (operation_key, payload_hash, payload, approved_by)
-            SELECT * FROM UNNEST($1::text[], $2::text[], $3::jsonb[], $4::text[])
+            INSERT INTO handoff_consumer.crm_task (operation_key, payload_hash, payload, approved_by, traceparent)
+            SELECT * FROM UNNEST($1::text[], $2::text[], $3::jsonb[], $4::text[], $5::text[])
             ON CONFLICT (operation_key) DO NOTHING
             RETURNING operation_key, task_id"#;
         const EXISTING_TASKS: &str = r#"
@@ -94,6 +96,7 @@ impl Crm for LocalCrm {
             .bind(requests.iter().map(|r| r.payload_hash.as_str()).collect::<Vec<_>>())
             .bind(requests.iter().map(|r| r.payload.clone()).collect::<Vec<_>>())
             .bind(requests.iter().map(|r| r.approved_by.as_str()).collect::<Vec<_>>())
+            .bind(requests.iter().map(|r| r.traceparent.as_deref()).collect::<Vec<_>>())
             .fetch_all(&mut *conn)
             .await?;
         let created: std::collections::HashMap<String, i64> = created.into_iter().collect();

@@ -20,6 +20,7 @@ use handoff_shared::Backoff;
 use sqlx::PgPool;
 use sqlx::postgres::PgListener;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use handoff_shared::logging::error_chain;
 use handoff_shared::observe::Liveness;
@@ -140,6 +141,27 @@ impl Dispatcher {
 
     /// Makes the call a claimed row needs and decides; records nothing.
     async fn call(&self, claim: &str, op: ClaimedOperation) -> Outcome {
+        // The producer's trace continues: this call is a child span of it, and the CRM hears of it.
+        let traceparent = op
+            .traceparent
+            .as_deref()
+            .and_then(|tp| tp.parse::<handoff_shared::TraceParent>().ok())
+            .map(|tp| tp.child());
+        let span = match traceparent {
+            Some(tp) => {
+                tracing::info_span!("crm_call", operation_key = %op.operation_key, trace_id = %tp.trace_id(), span_id = %tp.parent_id())
+            }
+            None => tracing::info_span!("crm_call", operation_key = %op.operation_key),
+        };
+        self.call_in_span(claim, op, traceparent).instrument(span).await
+    }
+
+    async fn call_in_span(
+        &self,
+        claim: &str,
+        op: ClaimedOperation,
+        traceparent: Option<handoff_shared::TraceParent>,
+    ) -> Outcome {
         let started = std::time::Instant::now();
         let now = op.db_now;
         let (call, decision, mut events) = match op.prior_state.as_str() {
@@ -150,6 +172,7 @@ impl Dispatcher {
                         operation_key: &op.operation_key,
                         payload_hash: &op.payload_hash,
                         payload: &op.payload.0,
+                        traceparent,
                     })
                     .await;
                 let decision = after_create(self.crm.capability(), &outcome, &op, &self.settings);
@@ -158,7 +181,7 @@ impl Dispatcher {
             _ => match retention_expired(self.crm.capability(), &op, now) {
                 Some(decision) => ("none", decision, Vec::new()),
                 None => {
-                    let readback = self.crm.readback(&op.operation_key).await;
+                    let readback = self.crm.readback(&op.operation_key, traceparent).await;
                     let decision = after_readback(self.crm.capability(), &readback, &op, now, &self.settings);
                     ("readback", decision, vec![("readback", None, readback_evidence(&readback))])
                 }
@@ -547,6 +570,7 @@ mod tests {
             last_attempt_at: Some(now),
             unknown_since: Some(now),
             db_now: now,
+            traceparent: None,
         }
     }
 

@@ -36,8 +36,8 @@ impl Crm for LedgerCrm {
         requests: &[TaskRequest],
     ) -> Result<Vec<TaskOutcome>, CrmError> {
         const ACCEPT: &str = r#"
-            INSERT INTO handoff_consumer.crm_operation (operation_key, account, payload_hash, payload)
-            SELECT k, $1, h, p FROM UNNEST($2::text[], $3::text[], $4::jsonb[]) AS u(k, h, p)
+            INSERT INTO handoff_consumer.crm_operation (operation_key, account, payload_hash, payload, traceparent)
+            SELECT k, $1, h, p, t FROM UNNEST($2::text[], $3::text[], $4::jsonb[], $5::text[]) AS u(k, h, p, t)
             ON CONFLICT (operation_key) DO NOTHING
             RETURNING operation_key"#;
         const EXISTING: &str = r#"
@@ -52,6 +52,7 @@ impl Crm for LedgerCrm {
             .bind(&keys)
             .bind(requests.iter().map(|r| r.payload_hash.as_str()).collect::<Vec<_>>())
             .bind(requests.iter().map(|r| r.payload.clone()).collect::<Vec<_>>())
+            .bind(requests.iter().map(|r| r.traceparent.as_deref()).collect::<Vec<_>>())
             .fetch_all(&mut *conn)
             .await?;
         let accepted: std::collections::HashSet<String> = accepted.into_iter().map(|(k,)| k).collect();
@@ -101,6 +102,8 @@ pub struct ClaimedOperation {
     /// The database's clock at the claim: every age is measured on this one clock, never the
     /// application host's (a skewed host clock must not shorten a freshness or retention window).
     pub db_now: DateTime<Utc>,
+    /// The producer's trace context, sent on to the CRM.
+    pub traceparent: Option<String>,
 }
 
 /// Claims up to `limit` due operations of `account` for `owner` for `lease`. A create claim counts the attempt
@@ -148,7 +151,7 @@ pub async fn claim_due(
           FROM due
          WHERE o.operation_key = due.operation_key
      RETURNING o.operation_key, o.account, o.payload_hash, o.payload, due.prior_state, o.attempts,
-               o.first_attempt_at, o.last_attempt_at, o.unknown_since, now() AS db_now"#;
+               o.first_attempt_at, o.last_attempt_at, o.unknown_since, now() AS db_now, o.traceparent"#;
     sqlx::query_as(CLAIM_DUE).bind(limit).bind(owner).bind(lease.as_secs_f64()).bind(account).fetch_all(pool).await
 }
 

@@ -12,8 +12,12 @@
 
 use std::time::Duration;
 
+use handoff_shared::TraceParent;
 use reqwest::StatusCode;
 use serde::Deserialize;
+
+/// The W3C Trace Context header every CRM call carries when the action came with a trace.
+pub const TRACEPARENT: &str = "traceparent";
 
 /// What the destination offers for proving an outcome. Declared by configuration, from the CRM's
 /// documentation; the dispatcher follows the matching rule.
@@ -37,6 +41,8 @@ pub struct RemoteTask<'a> {
     pub operation_key: &'a str,
     pub payload_hash: &'a str,
     pub payload: &'a serde_json::Value,
+    /// The trace context to send (`traceparent`), already a child of the producer's.
+    pub traceparent: Option<TraceParent>,
 }
 
 /// What a create call proved.
@@ -148,6 +154,9 @@ impl HttpCrm {
         if matches!(self.settings.capability, Capability::IdempotencyKey { .. }) {
             request = request.header("Idempotency-Key", task.operation_key);
         }
+        if let Some(traceparent) = task.traceparent {
+            request = request.header(TRACEPARENT, traceparent.to_string());
+        }
         let account = &self.settings.account;
         let response = match request.send().await {
             Ok(response) => response,
@@ -197,7 +206,7 @@ impl HttpCrm {
     }
 
     /// Looks the task up by whatever this destination can prove with.
-    pub async fn readback(&self, operation_key: &str) -> Readback {
+    pub async fn readback(&self, operation_key: &str, traceparent: Option<TraceParent>) -> Readback {
         let account = &self.settings.account;
         let (path, lookup, authoritative) = match self.settings.capability {
             Capability::IdempotencyKey { .. } => {
@@ -212,7 +221,11 @@ impl HttpCrm {
             }
         };
         let evidence_for = |what: String| format!("GET {lookup} [{account}] -> {what}");
-        let response = match self.client.get(self.url(&path)).bearer_auth(&self.settings.token).send().await {
+        let mut request = self.client.get(self.url(&path)).bearer_auth(&self.settings.token);
+        if let Some(traceparent) = traceparent {
+            request = request.header(TRACEPARENT, traceparent.to_string());
+        }
+        let response = match request.send().await {
             Ok(response) => response,
             Err(e) => return Readback::Unavailable { evidence: evidence_for(describe(&e)) },
         };

@@ -33,10 +33,12 @@ pub(crate) fn router(sim: Arc<Inner>) -> Router {
         .route("/v1/tasks/by-key/{key}", get(task_by_key))
         .route("/v1/tasks/by-external-id/{external_id}", get(task_by_external_id))
         .route_layer(middleware::from_fn_with_state(sim.clone(), authorize))
+        .route_layer(middleware::from_fn_with_state(sim.clone(), record_trace))
         .route_layer(middleware::from_fn_with_state(sim.clone(), add_latency));
     let admin = Router::new()
         .route("/_admin/faults", get(list_faults).post(inject_fault).delete(clear_faults))
         .route("/_admin/effects", get(effects))
+        .route("/_admin/traces", get(traces))
         .route("/_admin/tasks", post(seed_task));
     api.merge(admin).fallback(not_found).with_state(sim)
 }
@@ -143,6 +145,20 @@ async fn add_latency(State(sim): State<Arc<Inner>>, request: Request, next: Next
         return drop_connection();
     }
     next.run(request).await
+}
+
+/// Keeps the W3C `traceparent` of every API request that carries one, so tests can see the trace
+/// context reach the CRM.
+async fn record_trace(State(sim): State<Arc<Inner>>, request: Request, next: Next) -> Response {
+    if let Some(value) = request.headers().get("traceparent").and_then(|v| v.to_str().ok()) {
+        sim.record_trace(format!("{} {}", request.method(), request.uri().path()), value.to_owned());
+    }
+    next.run(request).await
+}
+
+/// `GET /_admin/traces`: the `traceparent` headers received, oldest first.
+async fn traces(State(sim): State<Arc<Inner>>) -> Response {
+    Json(sim.traces()).into_response()
 }
 
 async fn authorize(State(sim): State<Arc<Inner>>, request: Request, next: Next) -> Response {

@@ -140,6 +140,17 @@ pub struct EffectsReport {
     pub requests: RequestCounts,
 }
 
+/// How many received trace headers the simulator keeps (the oldest are dropped first).
+pub const MAX_TRACES: usize = 10_000;
+
+/// A `traceparent` header the simulator received.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ReceivedTrace {
+    /// `POST /v1/tasks`, `GET /v1/tasks/by-external-id/...`, ...
+    pub request: String,
+    pub traceparent: String,
+}
+
 #[derive(Debug, Default)]
 struct Counters {
     creates: AtomicU64,
@@ -154,6 +165,8 @@ struct Inner {
     config: SimConfig,
     faults: Faults,
     counters: Counters,
+    /// W3C `traceparent` headers received on the API, oldest first, at most [`MAX_TRACES`].
+    traces: std::sync::Mutex<std::collections::VecDeque<ReceivedTrace>>,
     /// Cancelled when the server shuts down: ends injected delays and held replies, so a
     /// graceful shutdown does not wait out a 60 s lost-reply hold.
     stopping: CancellationToken,
@@ -164,6 +177,18 @@ struct Inner {
 struct Stopping;
 
 impl Inner {
+    fn traces(&self) -> Vec<ReceivedTrace> {
+        self.traces.lock().unwrap_or_else(|e| e.into_inner()).iter().cloned().collect()
+    }
+
+    fn record_trace(&self, request: String, traceparent: String) {
+        let mut traces = self.traces.lock().unwrap_or_else(|e| e.into_inner());
+        if traces.len() >= MAX_TRACES {
+            traces.pop_front();
+        }
+        traces.push_back(ReceivedTrace { request, traceparent });
+    }
+
     async fn pause(&self, delay: Duration) -> Result<(), Stopping> {
         tokio::select! {
             () = tokio::time::sleep(delay) => Ok(()),
@@ -203,6 +228,7 @@ impl CrmSim {
                 config,
                 faults: Faults::default(),
                 counters: Counters::default(),
+                traces: Default::default(),
                 stopping: CancellationToken::new(),
             }),
         })
@@ -251,6 +277,11 @@ impl CrmSim {
     /// Requests received so far.
     pub fn requests(&self) -> RequestCounts {
         self.inner.requests()
+    }
+
+    /// The `traceparent` headers received so far (as `GET /_admin/traces` reports them).
+    pub fn traces(&self) -> Vec<ReceivedTrace> {
+        self.inner.traces()
     }
 
     /// The configuration this simulator runs with.

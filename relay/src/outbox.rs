@@ -17,7 +17,8 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use handoff_shared::envelope::ApprovalError;
-use handoff_shared::{Approval, CanonicalPayload, KeyError, OperationKey, PayloadError};
+use handoff_shared::trace::BadTraceParent;
+use handoff_shared::{Approval, CanonicalPayload, KeyError, OperationKey, PayloadError, TraceParent};
 use sqlx::{Acquire, PgConnection, PgPool};
 
 /// The SQLSTATE `handoff.record_approved_action` raises for invalid input.
@@ -31,6 +32,9 @@ pub struct ApprovedAction {
     pub key: OperationKey,
     pub payload: CanonicalPayload,
     pub approval: Approval,
+    /// The caller's W3C trace context, carried to the consumer and the CRM (not part of the
+    /// approved payload).
+    pub traceparent: Option<TraceParent>,
 }
 
 impl ApprovedAction {
@@ -45,7 +49,13 @@ impl ApprovedAction {
             key: key.parse()?,
             payload: CanonicalPayload::new(payload)?,
             approval: Approval::new(approved_by, approved_at)?,
+            traceparent: None,
         })
+    }
+
+    /// Attaches the caller's W3C `traceparent` (from the request that approved the action).
+    pub fn with_traceparent(self, traceparent: &str) -> Result<Self, RecordError> {
+        Ok(Self { traceparent: Some(traceparent.parse()?), ..self })
     }
 }
 
@@ -67,6 +77,8 @@ pub enum RecordError {
     InvalidPayload(#[from] PayloadError),
     #[error(transparent)]
     InvalidApproval(#[from] ApprovalError),
+    #[error(transparent)]
+    InvalidTraceParent(#[from] BadTraceParent),
     /// Rejected by the database's own checks (SQLSTATE HO422): the SQL contract is the final word.
     #[error("rejected as invalid by handoff.record_approved_action: {0}")]
     Rejected(String),
@@ -88,12 +100,13 @@ pub async fn record_approved_action(conn: &mut PgConnection, action: &ApprovedAc
     let mut savepoint = conn.begin().await.map_err(RecordError::Database)?;
     let payload = sqlx::types::Json(action.payload.value());
     let result: Result<(bool,), sqlx::Error> =
-        sqlx::query_as("SELECT created FROM handoff.record_approved_action($1, $2, $3, $4, $5)")
+        sqlx::query_as("SELECT created FROM handoff.record_approved_action($1, $2, $3, $4, $5, $6)")
             .bind(action.key.as_str())
             .bind(payload)
             .bind(action.approval.approved_by())
             .bind(action.approval.approved_at())
             .bind(action.payload.hash().to_string())
+            .bind(action.traceparent.map(|tp| tp.to_string()))
             .fetch_one(&mut *savepoint)
             .await;
     match result {
@@ -127,6 +140,7 @@ pub struct ClaimedRow {
     pub approved_by: String,
     pub approved_at: DateTime<Utc>,
     pub recorded_at: DateTime<Utc>,
+    pub traceparent: Option<String>,
 }
 
 /// How claimed rows are held, and so how [`settle`] releases them.
@@ -186,13 +200,13 @@ pub async fn claim_expired_range(pool: &PgPool, owner: &str, lease: Duration) ->
 /// range that is a few percent of the table can be planned as a hash join over all approvals.
 pub const ROWS_IN_RANGE: &str = r#"
     SELECT o.id, o.operation_key, b.attempts, o.created_at, a.payload, a.payload_hash, a.approved_by,
-           a.approved_at, a.recorded_at
+           a.approved_at, a.recorded_at, a.traceparent
       FROM handoff.relay_batch AS b
       JOIN handoff.outbox AS o
         ON (o.transaction_id, o.id) > (b.after_transaction_id, b.after_outbox_id)
        AND (o.transaction_id, o.id) <= (b.last_transaction_id, b.last_outbox_id)
      CROSS JOIN LATERAL (
-           SELECT payload::text AS payload, payload_hash, approved_by, approved_at, recorded_at
+           SELECT payload::text AS payload, payload_hash, approved_by, approved_at, recorded_at, traceparent
              FROM handoff.approved_action
             WHERE operation_key = o.operation_key
             LIMIT 1) AS a
@@ -216,10 +230,10 @@ pub const CLAIM_RETRY_ROWS: &str = r#"
      RETURNING o.id, o.operation_key, o.attempts, o.created_at
     )
     SELECT c.id, c.operation_key, c.attempts, c.created_at, a.payload, a.payload_hash, a.approved_by,
-           a.approved_at, a.recorded_at
+           a.approved_at, a.recorded_at, a.traceparent
       FROM claimed AS c
      CROSS JOIN LATERAL (
-           SELECT payload::text AS payload, payload_hash, approved_by, approved_at, recorded_at
+           SELECT payload::text AS payload, payload_hash, approved_by, approved_at, recorded_at, traceparent
              FROM handoff.approved_action
             WHERE operation_key = c.operation_key
             LIMIT 1) AS a"#;
@@ -306,14 +320,14 @@ pub const CLAIM_NEW_RANGE: &str = r#"
     )
     SELECT s.batch_id, s.scanned, s.contended, s.expired_range, s.due_retries, s.held_back_by,
            r.id, r.operation_key, r.created_at, r.payload, r.payload_hash, r.approved_by, r.approved_at,
-           r.recorded_at
+           r.recorded_at, r.traceparent
       FROM status AS s
       LEFT JOIN (
            SELECT n.transaction_id, n.id, n.operation_key, n.created_at, a.payload, a.payload_hash,
-                  a.approved_by, a.approved_at, a.recorded_at
+                  a.approved_by, a.approved_at, a.recorded_at, a.traceparent
              FROM next AS n
             CROSS JOIN LATERAL (
-                  SELECT payload::text AS payload, payload_hash, approved_by, approved_at, recorded_at
+                  SELECT payload::text AS payload, payload_hash, approved_by, approved_at, recorded_at, traceparent
                     FROM handoff.approved_action
                    WHERE operation_key = n.operation_key
                    LIMIT 1) AS a
@@ -338,6 +352,7 @@ struct RangeLine {
     approved_by: Option<String>,
     approved_at: Option<DateTime<Utc>>,
     recorded_at: Option<DateTime<Utc>>,
+    traceparent: Option<String>,
 }
 
 /// What [`claim_new_range`] found.
@@ -392,6 +407,7 @@ pub async fn claim_new_range(
                 approved_by: line.approved_by?,
                 approved_at: line.approved_at?,
                 recorded_at: line.recorded_at?,
+                traceparent: line.traceparent,
             })
         })
         .collect();
@@ -797,6 +813,7 @@ pub struct ProducerRecord {
 #[derive(Debug, Clone, serde::Serialize, sqlx::FromRow)]
 pub struct ApprovalRow {
     pub payload_hash: Option<String>,
+    pub traceparent: Option<String>,
     pub approved_by: String,
     pub approved_at: DateTime<Utc>,
     pub recorded_at: DateTime<Utc>,
@@ -834,7 +851,7 @@ pub struct AuditRow {
 /// Everything the producer database holds about `key`.
 pub async fn producer_record(pool: &PgPool, key: &str) -> Result<ProducerRecord, sqlx::Error> {
     let approval = sqlx::query_as(
-        r#"SELECT payload_hash, approved_by, approved_at, recorded_at
+        r#"SELECT payload_hash, traceparent, approved_by, approved_at, recorded_at
              FROM handoff.approved_action WHERE operation_key = $1"#,
     )
     .bind(key)

@@ -540,7 +540,16 @@ impl Relay {
         let approval = Approval::new(&row.approved_by, row.approved_at)
             .map_err(|e| Refusal::new("invalid_row", format!("stored approval is invalid: {e}")))?;
         let subject = self.stream.subjects.for_key(&key);
-        let envelope = Envelope { key, payload, approval, source: self.settings.source.clone(), time: row.recorded_at };
+        // Stored through the SQL contract's check; a value that does not parse is only a lost trace.
+        let traceparent = row.traceparent.as_deref().and_then(|tp| tp.parse().ok());
+        let envelope = Envelope {
+            key,
+            payload,
+            approval,
+            source: self.settings.source.clone(),
+            time: row.recorded_at,
+            traceparent,
+        };
         Ok((Outgoing { subject, key: row.operation_key.clone(), body: envelope.encode() }, computed_hash))
     }
 

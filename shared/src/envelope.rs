@@ -9,7 +9,8 @@
 //!
 //! `id` is the operation key (CloudEvents consumers de-duplicate on `source` + `id`), `type` is the
 //! action with its version, and the `handoff*` extension attributes carry the payload hash and the
-//! approval so the consumer can verify the payload is exactly what a person approved. Any CloudEvents
+//! approval so the consumer can verify the payload is exactly what a person approved. A producer's
+//! W3C trace context travels as the distributed-tracing extension (`traceparent`). Any CloudEvents
 //! SDK can read the stream.
 
 use bytes::Bytes;
@@ -17,7 +18,7 @@ use chrono::{DateTime, SecondsFormat, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::{CanonicalPayload, KeyError, OperationKey, PayloadError, PayloadHash};
+use crate::{CanonicalPayload, KeyError, OperationKey, PayloadError, PayloadHash, TraceParent};
 
 /// Envelope schema version, in the `handoffschema` attribute. Bump on incompatible change.
 pub const SCHEMA_VERSION: u32 = 1;
@@ -80,6 +81,8 @@ pub struct Envelope {
     pub source: String,
     /// CloudEvents `time`: when the action was recorded by the producer.
     pub time: DateTime<Utc>,
+    /// The producer's W3C trace context (CloudEvents distributed-tracing extension), if it gave one.
+    pub traceparent: Option<TraceParent>,
 }
 
 /// Why a message is not a valid envelope. Every variant is permanent: redelivering the same bytes
@@ -125,6 +128,9 @@ struct CloudEvent {
     handoffapprovedby: String,
     handoffapprovedat: DateTime<Utc>,
     handoffschema: u32,
+    /// CloudEvents distributed-tracing extension.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    traceparent: Option<String>,
     data: Value,
 }
 
@@ -147,6 +153,7 @@ impl Envelope {
             handoffapprovedby: self.approval.approved_by.clone(),
             handoffapprovedat: self.approval.approved_at,
             handoffschema: SCHEMA_VERSION,
+            traceparent: self.traceparent.map(|tp| tp.to_string()),
             data: self.payload.value().clone(),
         };
         // Serializing owned strings, timestamps and a JSON value cannot fail.
@@ -180,7 +187,9 @@ impl Envelope {
             return Err(EnvelopeError::HashMismatch { declared, computed });
         }
         let approval = Approval::new(&event.handoffapprovedby, event.handoffapprovedat)?;
-        Ok(Self { key, payload, approval, source: event.source, time: event.time })
+        // Diagnostic only: a malformed trace context is dropped, never a reason to refuse the action.
+        let traceparent = event.traceparent.and_then(|tp| tp.parse().ok());
+        Ok(Self { key, payload, approval, source: event.source, time: event.time, traceparent })
     }
 }
 
@@ -201,7 +210,22 @@ mod tests {
             approval: Approval::new("u-17", at).unwrap(),
             source: "/handoff/test".into(),
             time: at,
+            traceparent: None,
         }
+    }
+
+    #[test]
+    fn carries_the_trace_context_as_the_cloudevents_extension_and_drops_a_malformed_one() {
+        let mut env = sample();
+        env.traceparent = Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".parse().unwrap());
+        let body = env.encode();
+        let mut json: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(json["traceparent"], "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
+        assert_eq!(Envelope::decode(&body, Some(env.key.as_str())).unwrap(), env);
+        json["traceparent"] = "garbage".into();
+        let decoded = Envelope::decode(&serde_json::to_vec(&json).unwrap(), Some(env.key.as_str())).unwrap();
+        assert_eq!(decoded.traceparent, None, "the action stands; only the trace is lost");
+        assert!(!String::from_utf8_lossy(&sample().encode()).contains("traceparent"), "absent when not given");
     }
 
     #[test]

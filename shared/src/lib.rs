@@ -13,9 +13,11 @@ pub mod logging;
 pub mod observe;
 pub mod payload;
 pub mod subject;
+pub mod trace;
 
 pub use backoff::Backoff;
 pub use envelope::{Approval, Envelope, EnvelopeError};
 pub use key::{KeyError, OperationKey, action_type_of};
 pub use payload::{CanonicalPayload, PayloadError, PayloadHash};
 pub use subject::{Subjects, headers};
+pub use trace::TraceParent;

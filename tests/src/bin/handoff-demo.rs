@@ -45,6 +45,7 @@ async fn main() -> Result<()> {
             payload_hash: "0".repeat(64),
             payload: json!({"case_id": "case-104", "title": SEED_TITLE}),
             approved_by: "user-17".into(),
+            traceparent: None,
         };
         let mut tx = naive_db.begin().await?;
         LocalCrm.create_tasks(&mut tx, &[request]).await?;

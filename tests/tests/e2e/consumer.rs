@@ -200,6 +200,7 @@ async fn malformed_and_hash_mismatch_messages_are_dead_lettered_without_blocking
         approval: handoff_shared::Approval::new("user-17", chrono::Utc::now()).unwrap(),
         source: "/test".into(),
         time: chrono::Utc::now(),
+        traceparent: None,
     };
     let mut tampered: serde_json::Value = serde_json::from_slice(&genuine.encode()).unwrap();
     tampered["data"]["title"] = "Call someone else".into();

@@ -376,6 +376,7 @@ async fn a_changed_payload_while_reconciliation_is_pending_is_refused_and_needs_
         approval: handoff_shared::Approval::new("user-17", chrono::Utc::now()).unwrap(),
         source: "/test".into(),
         time: chrono::Utc::now(),
+        traceparent: None,
     };
     eventually("the broker to store the edited message", Duration::from_secs(30), || async {
         let ack = env
@@ -532,4 +533,70 @@ async fn a_dry_run_replica_records_intake_and_never_calls_the_crm() {
     .unwrap();
     assert_ne!(refused.code, Some(0));
     assert!(refused.stderr.contains("--dry-run (HANDOFF_DRY_RUN) needs --crm http"), "{}", refused.stderr);
+}
+
+#[tokio::test]
+async fn the_producers_trace_context_travels_through_the_stream_to_the_crm() {
+    const TRACE: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let (env, sim) = setup(SimConfig::default()).await;
+    let relay = env.relay(env.relay_settings()).await.unwrap();
+    // The SQL contract takes it as a trailing argument; a malformed one is refused and writes nothing.
+    let payload = serde_json::json!({"case_id": "case-104", "title": SEED_TITLE});
+    let refused = sqlx::query("SELECT handoff.record_approved_action($1, $2, 'user-17', now(), NULL, 'not-a-trace')")
+        .bind(KEY)
+        .bind(&payload)
+        .execute(&env.producer_db)
+        .await
+        .unwrap_err();
+    assert_eq!(refused.as_database_error().and_then(|e| e.code()).as_deref(), Some("HO422"));
+    assert_eq!(env.approvals().await.unwrap(), 0);
+    sqlx::query("SELECT handoff.record_approved_action($1, $2, 'user-17', now(), NULL, $3)")
+        .bind(KEY)
+        .bind(&payload)
+        .bind(TRACE)
+        .execute(&env.producer_db)
+        .await
+        .unwrap();
+    relay.publish_batch().await.unwrap();
+
+    // On the wire: the CloudEvents distributed-tracing extension.
+    let message = env.js.get_stream(&env.stream).await.unwrap().get_raw_message(1).await.unwrap();
+    let event: serde_json::Value = serde_json::from_slice(&message.payload).unwrap();
+    assert_eq!(event["traceparent"], TRACE);
+
+    // At the CRM: the same trace, with the dispatcher's call as the parent.
+    let consumer = env.remote_consumer().await.unwrap();
+    consumer.fetch_and_handle(WAIT).await.unwrap();
+    let dispatcher = dispatcher(&env, &sim, Capability::ExternalId).await;
+    until_decided(&dispatcher, &env, KEY).await;
+    let traces = sim.sim.traces();
+    let create = traces.iter().find(|t| t.request == "POST /v1/tasks").unwrap_or_else(|| panic!("{traces:?}"));
+    let sent: handoff_shared::TraceParent = create.traceparent.parse().unwrap();
+    assert_eq!(sent.trace_id(), "4bf92f3577b34da6a3ce929d0e0e4736");
+    assert_ne!(sent.parent_id(), "00f067aa0ba902b7", "a child span of the producer's");
+    assert_eq!(sim.effects().await.unwrap(), 1);
+
+    // The Rust API takes it too, and refuses a malformed one before writing anything.
+    let action = handoff_relay::ApprovedAction::parse(
+        "harbor:create-followup:v1:case-105",
+        serde_json::json!({"case_id": "case-105"}),
+        "user-17",
+        chrono::Utc::now(),
+    )
+    .unwrap();
+    assert!(matches!(
+        action.clone().with_traceparent("00-00000000000000000000000000000000-00f067aa0ba902b7-01"),
+        Err(handoff_relay::RecordError::InvalidTraceParent(_))
+    ));
+    let action = action.with_traceparent(TRACE).unwrap();
+    let mut tx = env.producer_db.begin().await.unwrap();
+    handoff_relay::record_approved_action(&mut tx, &action).await.unwrap();
+    tx.commit().await.unwrap();
+    let stored: Option<String> =
+        sqlx::query_scalar("SELECT traceparent FROM handoff.approved_action WHERE operation_key = $1")
+            .bind("harbor:create-followup:v1:case-105")
+            .fetch_one(&env.producer_db)
+            .await
+            .unwrap();
+    assert_eq!(stored.as_deref(), Some(TRACE));
 }
