@@ -7,12 +7,14 @@
 //!   relay, bare consumer, publish->consume round trip).
 //! * [`system`]: the real release binaries (relay drain, consumer drain, end to end).
 //! * [`plans`]: claim cost and query plans as the backlog grows.
+//! * [`reconcile`]: `handoff-admin reconcile` over a filled outbox, stream and inbox.
 //! * [`soak`]: table sizes and transaction ages under retention (only with `--soak`).
 //! * [`report`]: rows, table and JSON.
 
 pub mod ceilings;
 pub mod measure;
 pub mod plans;
+pub mod reconcile;
 pub mod report;
 pub mod soak;
 pub mod system;
@@ -109,10 +111,13 @@ pub struct BenchArgs {
     /// Extra environment for every consumer process, KEY=VALUE.
     #[arg(long, value_delimiter = ',')]
     pub consumer_env: Vec<String>,
-    /// Sections to run: ceilings, relay, consumer, remote, e2e, plans (the publish ceiling always
+    /// Published (and received) rows `handoff-admin reconcile` checks in the reconcile section.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub reconcile_rows: i64,
+    /// Sections to run: ceilings, relay, consumer, remote, e2e, plans, reconcile (the publish ceiling always
     /// runs: the consumer measurements read its stream). `remote` runs in the first profile only:
     /// the broker's fsync setting does not bear on it.
-    #[arg(long, value_delimiter = ',', default_value = "ceilings,relay,consumer,remote,e2e,plans")]
+    #[arg(long, value_delimiter = ',', default_value = "ceilings,relay,consumer,remote,e2e,plans,reconcile")]
     pub only: Vec<String>,
     /// Run the producer's and the consumer's databases on one Postgres server. By default the
     /// pipelines give the consumer its own server, as `deploy/compose.yaml` does.
@@ -142,6 +147,7 @@ impl BenchArgs {
             self.plan_backlogs = vec![10_000];
             self.crm_in_flight = vec![4, 16];
             self.crm_replicas = vec![1];
+            self.reconcile_rows = 5_000;
         }
         self.runs = self.runs.max(1);
         self
@@ -179,6 +185,9 @@ pub async fn run(args: BenchArgs) -> Result<Report> {
         let full = i == 0;
         eprintln!("== profile {} ({})", profile.name(), if full { "all rows" } else { "headline rows" });
         profile_rows(&mut world, &args, full, &mut report).await?;
+        if full && args.runs_section("reconcile") {
+            reconcile_rows(&mut world, &args, &mut report).await?;
+        }
         if full && !args.plan_backlogs.is_empty() && args.runs_section("plans") {
             eprintln!("== claim cost at backlogs {:?}", args.plan_backlogs);
             let batch = handoff_relay::RelaySettings::default().batch_size;
@@ -205,6 +214,54 @@ pub async fn run(args: BenchArgs) -> Result<Report> {
     }
     report.elapsed_s = started.elapsed().as_secs_f64();
     Ok(report)
+}
+
+/// `handoff-admin reconcile` over `--reconcile-rows` published and received rows, against the bare
+/// stream reads it makes.
+async fn reconcile_rows(world: &mut World, args: &BenchArgs, report: &mut Report) -> Result<()> {
+    let n = args.reconcile_rows;
+    eprintln!("-- reconcile ({n} published rows, {n} inbox rows)");
+    let filled = reconcile::fill(world, n).await?;
+    let ceiling = repeat(args.runs, "bare stream reads", async || reconcile::bare_reads(world, &filled).await).await?;
+    let ceiling = throughput_row(
+        world.profile,
+        "ceiling",
+        "stream_reads",
+        format!("ceiling: read {n} stream sequences, {} in flight", handoff_relay::reconcile::PROBE_CONCURRENCY),
+        "rows/s",
+        &ceiling,
+    );
+    report.rows.push(ceiling.clone());
+    let mut checks = Vec::new();
+    let samples = repeat(args.runs, "reconcile", async || {
+        let (sample, c) = reconcile::reconcile(world, &filled).await?;
+        checks.push(c);
+        Ok(sample)
+    })
+    .await?;
+    let mut row = throughput_row(
+        world.profile,
+        "operations",
+        "reconcile",
+        format!("reconcile: {n} published rows against the stream, {n} inbox rows"),
+        "rows/s",
+        &samples,
+    )
+    .param("rows", n)
+    .against(&ceiling);
+    let seconds: Vec<f64> = samples.iter().map(|s| s.elapsed.as_secs_f64()).collect();
+    row.check("seconds_per_run", json!(seconds));
+    row.check("mismatches", checks.iter().map(|c| c.mismatches).max().unwrap_or_default());
+    row.check("published_rows_checked", json!(checks.iter().map(|c| c.published_rows_checked).collect::<Vec<_>>()));
+    row.target(
+        "every row checked, nothing reported",
+        checks
+            .iter()
+            .all(|c| c.mismatches == 0 && c.published_rows_checked == n as u64 && c.inbox_rows_checked == n as u64),
+    );
+    row.target("1M rows in minutes: <= 600 s per million", seconds.iter().all(|s| s / n as f64 * 1e6 <= 600.0));
+    report.rows.push(row);
+    reconcile::drop_filled(world, filled).await
 }
 
 /// Repeats `measure` `runs` times.
@@ -389,10 +446,11 @@ async fn profile_rows(world: &mut World, args: &BenchArgs, full: bool, report: &
     // --- the real relay
     eprintln!("-- relay drains ({n} actions)");
     let mut previous: Option<(f64, f64)> = None;
+    let mut relay_rows: BTreeMap<usize, Row> = BTreeMap::new();
     for &relays in relay_counts.iter().filter(|_| args.runs_section("relay")) {
         let mut checks = Vec::new();
         let samples = repeat(runs, &format!("relay x{relays}"), async || {
-            let (sample, c) = system::relay_drain(world, n, relays, 1).await?;
+            let (sample, c) = system::relay_drain(world, n, relays, 1, false).await?;
             checks.push(c);
             Ok(sample)
         })
@@ -427,6 +485,37 @@ async fn profile_rows(world: &mut World, args: &BenchArgs, full: bool, report: &
         if row.value.median >= 55_000.0 {
             row.note = Some("stretch target (>= 55k rows/s) met".into());
         }
+        relay_rows.insert(relays, row.clone());
+        report.rows.push(row);
+    }
+
+    // The same drain with the operations endpoint on and scraped every second.
+    if full && args.runs_section("relay") {
+        let relays = middle(&relay_counts);
+        let mut scrapes = Vec::new();
+        let samples = repeat(runs, &format!("relay x{relays}, endpoint scraped"), async || {
+            let (sample, c) = system::relay_drain(world, n, relays, 1, true).await?;
+            scrapes.push(c.scrapes);
+            Ok(sample)
+        })
+        .await?;
+        let mut row = throughput_row(
+            p,
+            "relay",
+            &format!("relays={relays}/scraped"),
+            format!("relay: {relays} process(es), /metrics scraped every 1 s, {n} backlog"),
+            "rows/s",
+            &samples,
+        )
+        .param("relays", relays)
+        .param("scrape_every_s", system::SCRAPE_EVERY.as_secs())
+        .param("backlog", n);
+        if let Some(off) = relay_rows.get(&relays) {
+            row = row.against(off);
+            let ratio = row.ratio.unwrap_or_default();
+            row.target(">= 0.97x the same relays with the endpoint off", ratio >= 0.97);
+        }
+        row.check("scrapes_per_run", json!(scrapes));
         report.rows.push(row);
     }
 

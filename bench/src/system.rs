@@ -36,10 +36,48 @@ pub struct RelayChecks {
     /// Updates of outbox rows that were HOT (no index entries), of all updates.
     pub hot_updates: i64,
     pub updates: i64,
+    /// Successful `/metrics` reads during the drain (0 unless scraped).
+    pub scrapes: u64,
 }
 
-/// `relays` relay processes with `workers` each drain a backlog of `n` actions.
-pub async fn relay_drain(world: &mut World, n: i64, relays: usize, workers: usize) -> Result<(Sample, RelayChecks)> {
+/// Reads `/metrics` of every endpoint every [`SCRAPE_EVERY`] until `stop`; returns the reads that
+/// answered 200 with a body. A failed read is an error: the endpoint must keep answering under load.
+async fn scrape_until(endpoints: Vec<std::net::SocketAddr>, stop: tokio_util::sync::CancellationToken) -> Result<u64> {
+    let mut reads = 0;
+    if endpoints.is_empty() {
+        return Ok(reads);
+    }
+    let mut tick = tokio::time::interval(SCRAPE_EVERY);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return Ok(reads),
+            _ = tick.tick() => {}
+        }
+        for addr in &endpoints {
+            let (status, body) = handoff_tests::ops::get(*addr, "/metrics").await?;
+            ensure!(
+                status == 200 && body.contains("handoff_relay_batches_total"),
+                "/metrics of {addr} answered {status}"
+            );
+            reads += 1;
+        }
+    }
+}
+
+/// How often the scraper reads each relay's `/metrics` when a drain is scraped.
+pub const SCRAPE_EVERY: Duration = Duration::from_secs(1);
+
+/// `relays` relay processes with `workers` each drain a backlog of `n` actions. With `scrape`,
+/// each serves its operations endpoint and a scraper reads its `/metrics` every
+/// [`SCRAPE_EVERY`] during the drain (as Prometheus would, at an aggressive interval); the checks
+/// count the scrapes.
+pub async fn relay_drain(
+    world: &mut World,
+    n: i64,
+    relays: usize,
+    workers: usize,
+    scrape: bool,
+) -> Result<(Sample, RelayChecks)> {
     let db = world.database("bench_relay", 4).await?;
     handoff_relay::MIGRATOR.run(&db.pool).await?;
     let stream = world.unique("RELAY");
@@ -47,10 +85,19 @@ pub async fn relay_drain(world: &mut World, n: i64, relays: usize, workers: usiz
     let mut env = world.relay_env(&db, &stream, &subjects);
     env.push(("HANDOFF_RELAY_WORKERS".into(), workers.to_string()));
     let mut services = Vec::new();
+    let mut endpoints = Vec::new();
     for _ in 0..relays {
+        let mut env = env.clone();
+        if scrape {
+            let addr = handoff_tests::ops::free_local_addr()?;
+            env.push(("HANDOFF_HTTP_ADDR".into(), addr.to_string()));
+            endpoints.push(addr);
+        }
         services.push(Service::spawn("relay", "handoff-relay", &env)?);
     }
     wait_for_listeners(&db, "handoff-relay", relays as i64).await?;
+    let scraping = tokio_util::sync::CancellationToken::new();
+    let scraper = tokio::spawn(scrape_until(endpoints, scraping.clone()));
 
     // The backlog commits at once: the clock starts at the commit, which notifies the relays.
     let batch = "r";
@@ -72,7 +119,10 @@ pub async fn relay_drain(world: &mut World, n: i64, relays: usize, workers: usiz
         tokio::time::sleep(POLL).await;
     }
     let sample = meter.finish(world, &services, n as u64);
-    let checks = relay_checks(world, &db, &stream, n).await?;
+    scraping.cancel();
+    let scrapes = scraper.await??;
+    let mut checks = relay_checks(world, &db, &stream, n).await?;
+    checks.scrapes = scrapes;
     for s in services {
         s.stop().await?;
     }
@@ -105,7 +155,7 @@ async fn relay_checks(world: &World, db: &Database, stream: &str, n: i64) -> Res
     .await?;
     let stream_messages = world.stream_messages(stream).await?;
     ensure!(published == n, "{published} of {n} rows marked published ({blocked} blocked)");
-    Ok(RelayChecks { stream_messages, published, duplicates, blocked, hot_updates, updates })
+    Ok(RelayChecks { stream_messages, published, duplicates, blocked, hot_updates, updates, scrapes: 0 })
 }
 
 /// Counters a consumer drain reads afterwards.
