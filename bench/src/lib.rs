@@ -291,7 +291,7 @@ async fn profile_rows(world: &mut World, args: &BenchArgs, full: bool, report: &
     let n = if full { args.actions } else { args.durable_actions };
     let runs = args.runs;
     let scratch = world.database("bench_check", 1).await?;
-    handoff_relay::MIGRATOR.run(&scratch.pool).await?;
+    handoff_relay::SCHEMA.migrate(&scratch.pool).await?;
     workload::check_sql_hash(&scratch.pool).await?;
     world.drop_database(scratch).await?;
 

@@ -26,7 +26,7 @@ const FILL_CHUNK: i64 = 100_000;
 /// Grows one outbox through `backlogs` (ascending) and measures a claim of `batch` rows at each.
 pub async fn claim_cost(world: &World, backlogs: &[i64], batch: i64) -> Result<Vec<PlanSample>> {
     let db = world.database("bench_plans", 2).await?;
-    handoff_relay::MIGRATOR.run(&db.pool).await?;
+    handoff_relay::SCHEMA.migrate(&db.pool).await?;
     // The relay's session settings, so plans are the ones it gets.
     let options = db
         .url

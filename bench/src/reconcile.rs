@@ -38,7 +38,7 @@ pub struct Filled {
 /// local CRM with the same keys.
 pub async fn fill(world: &mut World, n: i64) -> Result<Filled> {
     let producer = world.database("bench_reconcile", 4).await?;
-    handoff_relay::MIGRATOR.run(&producer.pool).await?;
+    handoff_relay::SCHEMA.migrate(&producer.pool).await?;
     let stream = world.unique("RECON");
     let subjects = Subjects::new(stream.to_lowercase())?;
     let env = world.relay_env(&producer, &stream, &subjects);
@@ -67,7 +67,7 @@ pub async fn fill(world: &mut World, n: i64) -> Result<Filled> {
         relay.stop().await?;
     }
     let consumer = world.consumer_database("bench_reconcile_consumer", 4).await?;
-    handoff_consumer::MIGRATOR.run(&consumer.pool).await?;
+    handoff_consumer::SCHEMA.migrate(&consumer.pool).await?;
     sqlx::query(
         r#"WITH keys AS (SELECT $1::text || 'x-' || i AS k, i FROM generate_series(1, $2::bigint) AS i),
                 inbox AS (INSERT INTO handoff_consumer.inbox (operation_key, payload_hash, stream_sequence, outcome)
@@ -79,8 +79,10 @@ pub async fn fill(world: &mut World, n: i64) -> Result<Filled> {
     .bind(n)
     .execute(&consumer.pool)
     .await?;
+    // As a settled production table would be: visibility map set, statistics current. No parallel
+    // workers: their shared memory does not fit a container's default 64 MiB /dev/shm at 1M rows.
     for pool in [&producer.pool, &consumer.pool] {
-        sqlx::query("VACUUM ANALYZE").execute(pool).await?;
+        sqlx::query("VACUUM (ANALYZE, PARALLEL 0)").execute(pool).await?;
     }
     Ok(Filled { producer, consumer, stream, n })
 }

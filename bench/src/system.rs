@@ -79,7 +79,7 @@ pub async fn relay_drain(
     scrape: bool,
 ) -> Result<(Sample, RelayChecks)> {
     let db = world.database("bench_relay", 4).await?;
-    handoff_relay::MIGRATOR.run(&db.pool).await?;
+    handoff_relay::SCHEMA.migrate(&db.pool).await?;
     let stream = world.unique("RELAY");
     let subjects = Subjects::new(stream.to_lowercase())?;
     let mut env = world.relay_env(&db, &stream, &subjects);
@@ -174,7 +174,7 @@ pub async fn consumer_drain(
     replicas: usize,
 ) -> Result<(Sample, ConsumerChecks)> {
     let db = world.database("bench_consumer", 4).await?;
-    handoff_consumer::MIGRATOR.run(&db.pool).await?;
+    handoff_consumer::SCHEMA.migrate(&db.pool).await?;
     let durable = world.unique("crm");
     let env = world.consumer_env(&db, &source.name, &source.subjects, &durable);
     let mut services = Vec::new();
@@ -243,8 +243,8 @@ impl Pipeline {
     ) -> Result<Self> {
         let producer = world.database("bench_e2e_producer", 8).await?;
         let consumer = world.consumer_database("bench_e2e_consumer", 8).await?;
-        handoff_relay::MIGRATOR.run(&producer.pool).await?;
-        handoff_consumer::MIGRATOR.run(&consumer.pool).await?;
+        handoff_relay::SCHEMA.migrate(&producer.pool).await?;
+        handoff_consumer::SCHEMA.migrate(&consumer.pool).await?;
         let stream = world.unique("E2E");
         let subjects = Subjects::new(stream.to_lowercase())?;
         let durable = world.unique("crm");
@@ -483,7 +483,7 @@ pub async fn remote_drain(
     // The consumer's database on its own server, the simulator's on the other: a remote CRM does
     // not commit on the consumer's database server.
     let db = world.consumer_database("bench_remote", 4).await?;
-    handoff_consumer::MIGRATOR.run(&db.pool).await?;
+    handoff_consumer::SCHEMA.migrate(&db.pool).await?;
     let (sim, crm_db, listen) = start_crm_sim(world, latency, replicas as i64 * in_flight).await?;
 
     let durable = world.unique("crm");

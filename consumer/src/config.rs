@@ -3,7 +3,9 @@
 use std::time::Duration;
 
 use handoff_shared::Backoff;
-use handoff_shared::config::{DatabaseArgs, LogFormat, NatsArgs, ObserveArgs, RuntimeArgs};
+use handoff_shared::config::{
+    DatabaseArgs, LogFormat, MigrateArgs, NatsArgs, ObserveArgs, RuntimeArgs, ServiceCommand,
+};
 use handoff_shared::observe::HttpAddr;
 use handoff_shared::subject::Subjects;
 
@@ -24,8 +26,12 @@ pub const DEFAULT_HTTP_ADDR: &str = "0.0.0.0:9186";
 #[derive(Debug, clap::Parser)]
 #[command(name = "handoff-consumer", version)]
 pub struct ConsumerConfig {
+    #[command(subcommand)]
+    pub command: Option<ServiceCommand>,
     #[command(flatten)]
     pub database: DatabaseArgs,
+    #[command(flatten)]
+    pub migrate: MigrateArgs,
     #[command(flatten)]
     pub nats: NatsArgs,
     /// JetStream stream name (created by the relay).
@@ -270,6 +276,7 @@ impl ConsumerConfig {
             },
             stall_after: self.observe.stall_after(),
             sample_interval: self.observe.sample_interval(),
+            migrate: self.migrate.mode,
             ..ConsumerSettings::default()
         }
     }

@@ -17,6 +17,7 @@ use async_nats::jetstream::message::Message;
 use futures::StreamExt;
 use futures::future::join_all;
 use handoff_shared::logging::{Outage, error_chain};
+use handoff_shared::migrate::MigrateMode;
 use handoff_shared::observe::{Check, Endpoint, Heartbeat, Liveness, Readiness};
 use handoff_shared::{Backoff, Envelope, headers};
 use prometheus_client::registry::Registry;
@@ -42,6 +43,8 @@ pub struct ConsumerSettings {
     pub stall_after: Duration,
     /// How often the gauges are sampled from the broker and the database.
     pub sample_interval: Duration,
+    /// Apply pending migrations at startup, or refuse to start while the schema is behind.
+    pub migrate: MigrateMode,
 }
 
 impl ConsumerSettings {
@@ -63,6 +66,7 @@ impl Default for ConsumerSettings {
             fetch_expires: Duration::from_secs(5),
             stall_after: handoff_shared::observe::DEFAULT_STALL_AFTER,
             sample_interval: handoff_shared::observe::DEFAULT_SAMPLE_INTERVAL,
+            migrate: MigrateMode::Auto,
         }
     }
 }
@@ -152,7 +156,8 @@ pub struct Consumer<C> {
 }
 
 impl<C: Crm + 'static> Consumer<C> {
-    /// Runs the consumer's migrations and binds to the durable consumer.
+    /// Runs the consumer's migrations (or, with [`MigrateMode::Never`], checks that none is pending)
+    /// and binds to the durable consumer.
     pub async fn build(
         pool: PgPool,
         client: async_nats::Client,
@@ -160,7 +165,7 @@ impl<C: Crm + 'static> Consumer<C> {
         crm: C,
         settings: ConsumerSettings,
     ) -> anyhow::Result<Self> {
-        crate::MIGRATOR.run(&pool).await?;
+        crate::SCHEMA.prepare(&pool, settings.migrate, "handoff-consumer").await?;
         let js = async_nats::jetstream::new(client.clone());
         let consumer = crate::subscription::bind(&js, subscription).await?;
         let mut registry = Registry::default();
@@ -644,7 +649,7 @@ impl Readiness for ConsumerReadiness {
     fn check(&self) -> futures::future::BoxFuture<'_, Vec<Check>> {
         Box::pin(async move {
             let database =
-                Check::bounded("database", handoff_shared::observe::check_database(&self.pool, &crate::MIGRATOR));
+                Check::bounded("database", handoff_shared::observe::check_database(&self.pool, &crate::SCHEMA));
             let durable = Check::bounded("consumer", async {
                 match self.consumer.get_info().await {
                     Ok(info) => Check::ok("consumer", format!("{} on stream {}", info.name, info.stream_name)),

@@ -27,5 +27,9 @@ pub use subscription::SubscriptionSettings;
 /// How often a replica logs a progress line at info, so `docker logs` shows life.
 pub const PROGRESS_INTERVAL: std::time::Duration = std::time::Duration::from_secs(30);
 
-/// The consumer schema migrations, embedded in the binary.
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+/// The consumer schema (`handoff_consumer`) and its migrations, embedded in the binary, with their
+/// history in `handoff_consumer._sqlx_migrations`, so the consumer can share a database with the
+/// relay or an application that runs sqlx migrations of its own.
+pub static SCHEMA: std::sync::LazyLock<handoff_shared::migrate::Schema> = std::sync::LazyLock::new(|| {
+    handoff_shared::migrate::Schema::new("handoff_consumer", sqlx::migrate!("./migrations"))
+});

@@ -7,14 +7,19 @@ use handoff_consumer::dispatcher::Dispatcher;
 use handoff_consumer::ledger::LedgerCrm;
 use handoff_consumer::remote::HttpCrm;
 use handoff_consumer::{Consumer, LocalCrm};
+use handoff_shared::config::{ServiceCommand, run_migrate};
 use handoff_shared::observe::Endpoint;
 use tokio_util::sync::CancellationToken;
 
 fn main() -> anyhow::Result<()> {
     let config = ConsumerConfig::parse();
     handoff_shared::config::init_tracing(config.log_format);
+    let runtime = config.runtime.build()?;
+    if let Some(ServiceCommand::Migrate) = config.command {
+        return runtime.block_on(run_migrate(&config.database, &handoff_consumer::SCHEMA, "handoff-consumer"));
+    }
     config.validate()?;
-    config.runtime.build()?.block_on(run(config))
+    runtime.block_on(run(config))
 }
 
 async fn run(config: ConsumerConfig) -> anyhow::Result<()> {

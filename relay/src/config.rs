@@ -4,7 +4,9 @@ use std::time::Duration;
 
 use async_nats::jetstream::stream::StorageType;
 use handoff_shared::Backoff;
-use handoff_shared::config::{DatabaseArgs, LogFormat, NatsArgs, ObserveArgs, RuntimeArgs};
+use handoff_shared::config::{
+    DatabaseArgs, LogFormat, MigrateArgs, NatsArgs, ObserveArgs, RuntimeArgs, ServiceCommand,
+};
 use handoff_shared::observe::HttpAddr;
 use handoff_shared::subject::Subjects;
 
@@ -17,8 +19,12 @@ pub const DEFAULT_HTTP_ADDR: &str = "0.0.0.0:9185";
 #[derive(Debug, clap::Parser)]
 #[command(name = "handoff-relay", version)]
 pub struct RelayConfig {
+    #[command(subcommand)]
+    pub command: Option<ServiceCommand>,
     #[command(flatten)]
     pub database: DatabaseArgs,
+    #[command(flatten)]
+    pub migrate: MigrateArgs,
     #[command(flatten)]
     pub nats: NatsArgs,
     /// JetStream stream name.
@@ -137,6 +143,7 @@ impl RelayConfig {
             retention: (self.retention_secs > 0).then(|| Duration::from_secs(self.retention_secs)),
             stall_after: self.observe.stall_after(),
             sample_interval: self.observe.sample_interval(),
+            migrate: self.migrate.mode,
             reconcile: (self.reconcile_interval_secs > 0).then(|| ReconcileSettings {
                 interval: Duration::from_secs(self.reconcile_interval_secs),
                 lookback: Duration::from_secs(self.reconcile_lookback_secs),

@@ -18,5 +18,8 @@ pub use outbox::{ApprovedAction, RecordError, Recorded, record_approved_action};
 pub use publisher::StreamSettings;
 pub use relay::{Published, ReconcileSettings, Relay, RelayError, RelayFaults, RelaySettings};
 
-/// The outbox schema migrations, embedded in the binary. Concurrent runs serialize on an advisory lock.
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+/// The producer schema (`handoff`) and its migrations, embedded in the binary, with their history in
+/// `handoff._sqlx_migrations` (never `public`, which belongs to the application). Concurrent runs
+/// serialize on an advisory lock.
+pub static SCHEMA: std::sync::LazyLock<handoff_shared::migrate::Schema> =
+    std::sync::LazyLock::new(|| handoff_shared::migrate::Schema::new("handoff", sqlx::migrate!("./migrations")));

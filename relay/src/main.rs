@@ -3,13 +3,18 @@
 use clap::Parser;
 use handoff_relay::Relay;
 use handoff_relay::config::RelayConfig;
+use handoff_shared::config::{ServiceCommand, run_migrate};
 use handoff_shared::observe::Endpoint;
 use tokio_util::sync::CancellationToken;
 
 fn main() -> anyhow::Result<()> {
     let config = RelayConfig::parse();
     handoff_shared::config::init_tracing(config.log_format);
-    config.runtime.build()?.block_on(run(config))
+    let runtime = config.runtime.build()?;
+    if let Some(ServiceCommand::Migrate) = config.command {
+        return runtime.block_on(run_migrate(&config.database, &handoff_relay::SCHEMA, "handoff-relay"));
+    }
+    runtime.block_on(run(config))
 }
 
 async fn run(config: RelayConfig) -> anyhow::Result<()> {

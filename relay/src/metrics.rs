@@ -160,7 +160,11 @@ impl RelayMetrics {
             Unit::Seconds,
             m.settle_duration,
         );
-        registry.register("handoff_outbox_rows", "Outbox rows by state (pending, blocked), sampled", m.outbox_rows);
+        registry.register(
+            "handoff_outbox_rows",
+            "Outbox rows by state (pending, blocked), sampled; new rows beyond 100,000 are estimated from row ids",
+            m.outbox_rows,
+        );
         registry.register_with_unit(
             "handoff_outbox_oldest_pending_age",
             "Age of the oldest pending outbox row (0 when none), sampled",

@@ -268,7 +268,9 @@ pub async fn requeue(
                SET state = 'pending', retrying = true, attempts = 0, lease_owner = NULL,
                    next_attempt_at = GREATEST(now(), o.published_at + make_interval(secs => $2)),
                    last_error = 're-queued after broker loss (was stream sequence ' || o.stream_sequence || ')',
-                   stream = NULL, stream_sequence = NULL, duplicate = NULL, published_at = NULL, updated_at = now()
+                   -- stream_sequence stays: if the broker still answers "duplicate" with it, the
+                   -- relay knows nothing was stored and tries again after the window.
+                   stream = NULL, duplicate = NULL, published_at = NULL, updated_at = now()
              WHERE o.operation_key = ANY($1::text[]) AND o.state = 'published'
          RETURNING o.operation_key, o.next_attempt_at AS due_at
         ), audit AS (

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use handoff_shared::logging::{Outage, error_chain};
+use handoff_shared::migrate::MigrateMode;
 use handoff_shared::observe::{Check, Endpoint, Heartbeat, Liveness, Readiness};
 use handoff_shared::{Approval, Backoff, CanonicalPayload, Envelope, OperationKey, PayloadHash};
 use prometheus_client::registry::Registry;
@@ -90,6 +91,8 @@ pub struct RelaySettings {
     pub sample_interval: Duration,
     /// Periodic reconciliation of recently published rows against the stream; `None` is off.
     pub reconcile: Option<ReconcileSettings>,
+    /// Apply pending migrations at startup, or refuse to start while the schema is behind.
+    pub migrate: MigrateMode,
 }
 
 /// The relay's periodic reconciliation (see [`reconcile`]).
@@ -136,6 +139,7 @@ impl Default for RelaySettings {
             stall_after: handoff_shared::observe::DEFAULT_STALL_AFTER,
             sample_interval: handoff_shared::observe::DEFAULT_SAMPLE_INTERVAL,
             reconcile: None,
+            migrate: MigrateMode::Auto,
         }
     }
 }
@@ -223,8 +227,9 @@ pub struct Relay {
 }
 
 impl Relay {
-    /// Runs migrations, creates or updates the stream, and warns when a row can be retried for
-    /// longer than the broker remembers message ids.
+    /// Runs migrations (or, with [`MigrateMode::Never`], checks that none is pending), creates or
+    /// updates the stream, and warns when a row can be retried for longer than the broker
+    /// remembers message ids.
     ///
     /// The relay works on its own connections to the database `pool` points at (same options and
     /// size), with two session settings:
@@ -241,7 +246,7 @@ impl Relay {
         stream: StreamSettings,
         settings: RelaySettings,
     ) -> anyhow::Result<Self> {
-        crate::MIGRATOR.run(&pool).await?;
+        crate::SCHEMA.prepare(&pool, settings.migrate, "handoff-relay").await?;
         let options = (*pool.connect_options())
             .clone()
             .options([("synchronous_commit", "off"), ("plan_cache_mode", "force_custom_plan")]);
@@ -366,6 +371,22 @@ impl Relay {
         let mut duplicates_per_action: HashMap<&str, u64> = HashMap::new();
         for ((row, computed_hash), ack) in sendable.iter().zip(acks) {
             match ack {
+                Ok(ack) if ack.duplicate && row.lost_sequence == Some(ack.sequence as i64) => {
+                    // A re-queued row whose lost message the broker still remembers (its duplicate
+                    // window has not passed, or its purge timer ran late): nothing was stored. Not a
+                    // failure of the row: try again after the window, without counting an attempt.
+                    tracing::info!(operation_key = %row.operation_key, sequence = ack.sequence,
+                        "the broker still remembers the lost message's id; re-publishing after its duplicate window");
+                    failed.push(FailedRow {
+                        id: row.id,
+                        attempts: row.attempts - 1,
+                        outcome: Failure::RetryAfter(self.stream.duplicate_window),
+                        error: format!(
+                            "re-queued after broker loss; the broker still remembered sequence {} as this key",
+                            ack.sequence
+                        ),
+                    });
+                }
                 Ok(ack) => {
                     let action = action_type(&row.operation_key);
                     *published_per_action.entry(action).or_default() += 1;
@@ -891,7 +912,7 @@ impl Readiness for RelayReadiness {
         Box::pin(async move {
             let relay = &self.relay;
             let database =
-                Check::bounded("database", handoff_shared::observe::check_database(&relay.pool, &crate::MIGRATOR));
+                Check::bounded("database", handoff_shared::observe::check_database(&relay.pool, &crate::SCHEMA));
             let stream = Check::bounded("stream", async {
                 match relay.js.get_stream(&relay.stream.name).await {
                     Ok(_) => Check::ok("stream", relay.stream.name.clone()),

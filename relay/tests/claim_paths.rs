@@ -98,7 +98,7 @@ async fn rows_left_pending_by_a_relay_from_before_the_upgrade_are_published_on_t
     let env = TestEnv::start().await.unwrap();
     let url = env.postgres.fresh_database("upgrade").await.unwrap();
     let pool = PgPoolOptions::new().max_connections(4).connect(&url).await.unwrap();
-    handoff_relay::MIGRATOR.run_to(20261129000001, &pool).await.unwrap();
+    handoff_relay::SCHEMA.migrator().run_to(20261129000001, &pool).await.unwrap();
     sqlx::query(
         "SELECT handoff.record_approved_action('harbor:create-followup:v1:case-' || i,
                 jsonb_build_object('case_id', 'case-' || i), 'user-17')

@@ -205,6 +205,40 @@ impl ObserveArgs {
     }
 }
 
+/// What a service does with its schema at startup (both services).
+#[derive(Debug, Clone, clap::Args)]
+pub struct MigrateArgs {
+    /// auto: apply pending migrations at startup; never: refuse to start while the schema is behind
+    /// (run the `migrate` subcommand first, with a role that may change the schema).
+    #[arg(long = "migrate", env = "HANDOFF_MIGRATE", value_enum, default_value = "auto")]
+    pub mode: crate::migrate::MigrateMode,
+}
+
+/// The subcommands both services share; without one, the service runs.
+#[derive(Debug, Clone, clap::Subcommand)]
+pub enum ServiceCommand {
+    /// Apply pending migrations to this service's schema and exit (0 when the schema is current).
+    /// Needs only the database settings.
+    Migrate,
+}
+
+/// Runs `migrate` for `schema` on the database `args` names: connects, migrates, prints what it did.
+pub async fn run_migrate(args: &DatabaseArgs, schema: &crate::migrate::Schema, binary: &str) -> anyhow::Result<()> {
+    let pool = args.connect(binary).await?;
+    let migrated = schema.migrate(&pool).await?;
+    println!(
+        "{binary}: schema {} at version {}{}",
+        schema.name(),
+        migrated.version,
+        if migrated.adopted > 0 {
+            format!(" ({} history rows moved from public._sqlx_migrations)", migrated.adopted)
+        } else {
+            String::new()
+        }
+    );
+    Ok(())
+}
+
 /// The async runtime a service runs on.
 #[derive(Debug, Clone, clap::Args)]
 pub struct RuntimeArgs {

@@ -10,6 +10,7 @@ pub mod config;
 pub mod envelope;
 pub mod key;
 pub mod logging;
+pub mod migrate;
 pub mod observe;
 pub mod payload;
 pub mod subject;

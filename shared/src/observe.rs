@@ -185,14 +185,14 @@ pub trait Readiness: Send + Sync + 'static {
 }
 
 /// The database answers and has every migration this binary embeds.
-pub async fn check_database(pool: &sqlx::PgPool, migrator: &sqlx::migrate::Migrator) -> Check {
+pub async fn check_database(pool: &sqlx::PgPool, schema: &crate::migrate::Schema) -> Check {
     const NAME: &str = "database";
-    let Some(latest) = migrator.iter().map(|m| m.version).max() else { return Check::ok(NAME, "no migrations") };
-    let applied: Result<Option<i64>, sqlx::Error> =
-        sqlx::query_scalar("SELECT max(version) FROM _sqlx_migrations WHERE success").fetch_one(pool).await;
-    match applied {
-        Ok(Some(version)) if version >= latest => Check::ok(NAME, format!("migrated to {version}")),
-        Ok(version) => Check::failed(NAME, format!("schema at {version:?}, this binary needs {latest}")),
+    match schema.applied(pool).await {
+        Ok(Some(version)) if version >= schema.latest() => Check::ok(NAME, format!("{} at {version}", schema.name())),
+        Ok(version) => Check::failed(
+            NAME,
+            format!("schema {} at {version:?}, this binary needs {}", schema.name(), schema.latest()),
+        ),
         Err(error) => Check::failed(NAME, crate::logging::error_chain(&error)),
     }
 }

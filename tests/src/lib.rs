@@ -55,8 +55,8 @@ impl TestEnv {
         let (postgres, nats) = tokio::try_join!(Postgres::start(), Nats::start())?;
         let producer_db = pool(&postgres.fresh_database("producer").await?).await?;
         let consumer_db = pool(&postgres.fresh_database("consumer").await?).await?;
-        handoff_relay::MIGRATOR.run(&producer_db).await?;
-        handoff_consumer::MIGRATOR.run(&consumer_db).await?;
+        handoff_relay::SCHEMA.migrate(&producer_db).await?;
+        handoff_consumer::SCHEMA.migrate(&consumer_db).await?;
         let client = async_nats::connect(nats.url()).await?;
         let js = async_nats::jetstream::new(client.clone());
         let id = format!("{:08x}", rand_u32());
@@ -154,6 +154,11 @@ impl TestEnv {
             ("HANDOFF_HTTP_ADDR", String::new()),
             ("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into())),
         ]
+    }
+
+    /// The environment the relay binary gets (for tests that spawn it themselves).
+    pub fn service_env_for_relay(&self) -> Vec<(&'static str, String)> {
+        self.service_env(&self.producer_db)
     }
 
     /// Starts the real `handoff-relay` binary against this test's databases and stream, with its

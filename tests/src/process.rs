@@ -15,6 +15,8 @@ use tokio::process::{Child, Command};
 pub struct ServiceProcess {
     name: &'static str,
     child: Child,
+    /// Its stderr lines, when spawned with [`ServiceProcess::spawn_capturing`].
+    log: Option<std::sync::Arc<std::sync::Mutex<Vec<String>>>>,
 }
 
 /// Where cargo put the workspace's binaries for this profile.
@@ -38,7 +40,37 @@ impl ServiceProcess {
         let mut command = Command::new(&path);
         command.envs(env.iter().map(|(k, v)| (*k, v.as_str()))).stdin(Stdio::null()).kill_on_drop(true);
         let child = command.spawn().with_context(|| format!("spawning {}", path.display()))?;
-        Ok(Self { name, child })
+        Ok(Self { name, child, log: None })
+    }
+
+    /// Like [`ServiceProcess::spawn`], keeping every stderr line (also echoed to the test's stderr)
+    /// for [`ServiceProcess::log_lines`]: for tests about what the service logs.
+    pub fn spawn_capturing(name: &'static str, env: &[(&str, String)]) -> Result<Self> {
+        use tokio::io::AsyncBufReadExt;
+        let path = binary_path(name)?;
+        let mut command = Command::new(&path);
+        command
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+            .stdin(Stdio::null())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        let mut child = command.spawn().with_context(|| format!("spawning {}", path.display()))?;
+        let stderr = child.stderr.take().context("stderr is piped")?;
+        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let lines = log.clone();
+        tokio::spawn(async move {
+            let mut reader = tokio::io::BufReader::new(stderr).lines();
+            while let Ok(Some(line)) = reader.next_line().await {
+                eprintln!("{name}: {line}");
+                lines.lock().unwrap_or_else(|e| e.into_inner()).push(line);
+            }
+        });
+        Ok(Self { name, child, log: Some(log) })
+    }
+
+    /// The stderr lines so far (empty unless spawned with [`ServiceProcess::spawn_capturing`]).
+    pub fn log_lines(&self) -> Vec<String> {
+        self.log.as_ref().map(|log| log.lock().unwrap_or_else(|e| e.into_inner()).clone()).unwrap_or_default()
     }
 
     /// The OS process id.

@@ -38,7 +38,7 @@ async fn main() -> Result<()> {
     // The naive baseline: the same approved follow-up, sent with a fresh id per attempt, and the
     // first reply lost. The CRM cannot tell the retry from a new request.
     let naive_db = sqlx::PgPool::connect(&env.postgres.fresh_database("naive").await?).await?;
-    handoff_consumer::MIGRATOR.run(&naive_db).await?;
+    handoff_consumer::SCHEMA.migrate(&naive_db).await?;
     for attempt in 1..=2 {
         let request = TaskRequest {
             operation_key: format!("naive-attempt-{attempt}-{:x}", rand_id()),

@@ -374,3 +374,29 @@ async fn a_conflict_is_listed_shown_and_resolved_with_an_audit_row() {
     let refused = env.admin(&["conflicts", "resolve", &id, "--actor", "ana", "--reason", "again"]).await.unwrap();
     assert!(refused.expect_code(1).unwrap().stderr.contains("resolved already"));
 }
+
+#[tokio::test]
+async fn a_repaired_row_the_broker_still_remembers_waits_out_the_window_instead_of_passing_as_published() {
+    let env = TestEnv::start_with_window(Duration::from_secs(120)).await.unwrap();
+    let relay = env.relay(env.relay_settings()).await.unwrap();
+    env.approve("case-1", SEED_TITLE).await.unwrap();
+    relay.publish_batch().await.unwrap();
+    let stream = env.js.get_stream(&env.stream).await.unwrap();
+    assert!(stream.delete_message(1).await.unwrap());
+    env.admin(&["reconcile", "--repair", "--actor", "ana"]).await.unwrap().expect_code(3).unwrap();
+    // Inside the 120 s window the repair is due only later; make it due now, as a late purge timer
+    // in the broker would leave it: the broker still answers "duplicate" for the lost message.
+    sqlx::query("UPDATE handoff.outbox SET next_attempt_at = now()").execute(&env.producer_db).await.unwrap();
+    let batch = relay.publish_batch().await.unwrap();
+    assert_eq!((batch.claimed, batch.published, batch.retried), (1, 0, 1), "{batch:?}");
+    let (state, attempts, error, due_in): (String, i32, String, f64) = sqlx::query_as(
+        "SELECT state, attempts, last_error, extract(epoch FROM next_attempt_at - now())::float8 FROM handoff.outbox",
+    )
+    .fetch_one(&env.producer_db)
+    .await
+    .unwrap();
+    assert_eq!((state.as_str(), attempts), ("pending", 0), "not published, no attempt counted");
+    assert!(error.contains("still remembered sequence 1"), "{error}");
+    assert!(due_in > 100.0, "retried after the window, not now: {due_in}");
+    assert_eq!(env.stream_messages().await.unwrap(), 0);
+}

@@ -4,6 +4,7 @@
 
 mod admin;
 mod consumer;
+mod install;
 mod operability;
 mod processes;
 mod producer;

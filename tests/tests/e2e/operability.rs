@@ -208,3 +208,82 @@ async fn healthz_is_503_naming_the_loop_a_fault_hook_stalls() {
     relay_task.await.unwrap().unwrap();
     consumer_task.abort();
 }
+
+#[tokio::test]
+async fn a_broker_outage_logs_one_warning_at_its_start_and_one_at_its_end_not_one_per_row() {
+    const N: i64 = 500;
+    let env = TestEnv::start().await.unwrap();
+    let env_vars = [
+        ("RUST_LOG", "info".to_owned()),
+        // Retries soon after the broker is back, so the test does not wait out a long backoff.
+        ("HANDOFF_RELAY_BACKOFF_INITIAL_MS", "100".to_owned()),
+        ("HANDOFF_RELAY_BACKOFF_MAX_SECS", "1".to_owned()),
+        ("HANDOFF_RELAY_MAX_ATTEMPTS", "1000".to_owned()),
+    ];
+    let relay = handoff_tests::ServiceProcess::spawn_capturing(
+        "handoff-relay",
+        &[env.service_env_for_relay(), env_vars.to_vec()].concat(),
+    )
+    .unwrap();
+    eventually("the stream", Duration::from_secs(60), || async { Ok(env.stream_messages().await.ok()) }).await.unwrap();
+
+    env.nats.stop().await.unwrap();
+    env.approve_many_via_sql(1, N).await.unwrap();
+    eventually("publishes to fail", Duration::from_secs(60), || async {
+        Ok(relay.log_lines().iter().any(|l| l.contains("publishing to the stream failing")).then_some(()))
+    })
+    .await
+    .unwrap();
+    env.nats.start_again().await.unwrap();
+    eventually("every row published", Duration::from_secs(120), || async {
+        Ok((env.outbox().await?.published == N).then_some(()))
+    })
+    .await
+    .unwrap();
+    eventually("the recovery line", Duration::from_secs(30), || async {
+        Ok(relay.log_lines().iter().any(|l| l.contains("publishing to the stream recovered")).then_some(()))
+    })
+    .await
+    .unwrap();
+    let lines = relay.log_lines();
+    let warnings: Vec<&String> = lines.iter().filter(|l| l.contains(" WARN ")).collect();
+    let failing = warnings.iter().filter(|l| l.contains("publishing to the stream failing")).count();
+    let recovered = warnings.iter().filter(|l| l.contains("publishing to the stream recovered")).count();
+    assert_eq!((failing, recovered), (1, 1), "{warnings:#?}");
+    // The recovery says what the outage cost; no warning names a single row.
+    let recovery = warnings.iter().find(|l| l.contains("recovered")).unwrap();
+    assert!(recovery.contains("lasted_s=") && recovery.contains("affected="), "{recovery}");
+    assert!(warnings.iter().all(|l| !l.contains("operation_key")), "{warnings:#?}");
+    assert!(warnings.len() < 10, "{} warnings for {N} rows: {warnings:#?}", warnings.len());
+    assert_eq!(env.stream_messages().await.unwrap(), N as u64);
+    assert!(lines.iter().all(|l| !l.contains('\u{1b}')), "no ANSI colours when stderr is not a terminal");
+}
+
+#[tokio::test]
+async fn the_relays_periodic_reconciliation_exports_what_the_broker_lost() {
+    const N: i64 = 20;
+    let env = TestEnv::start().await.unwrap();
+    let addr = free_local_addr().unwrap();
+    let _relay = env
+        .relay_process_with(&[
+            ("HANDOFF_HTTP_ADDR", addr.to_string()),
+            ("HANDOFF_RECONCILE_INTERVAL_SECS", "1".to_owned()),
+            ("HANDOFF_RECONCILE_LOOKBACK_SECS", "3600".to_owned()),
+        ])
+        .unwrap();
+    eventually("the stream", Duration::from_secs(60), || async { Ok(env.stream_messages().await.ok()) }).await.unwrap();
+    env.approve_many_via_sql(1, N).await.unwrap();
+    eventually("every row published", Duration::from_secs(60), || async {
+        Ok((env.outbox().await?.published == N).then_some(()))
+    })
+    .await
+    .unwrap();
+    let stream = env.js.get_stream(&env.stream).await.unwrap();
+    for sequence in [3, 7] {
+        assert!(stream.delete_message(sequence).await.unwrap());
+    }
+    series_reaches(addr, "handoff_reconcile_mismatches{kind=\"lost_by_broker\"}", 2.0).await.unwrap();
+    let text = metrics(addr).await.unwrap();
+    assert_eq!(series(&text, "handoff_reconcile_mismatches{kind=\"sequence_reused\"}"), Some(0.0), "{text}");
+    assert!(series(&text, "handoff_reconcile_runs_total").unwrap() >= 1.0, "{text}");
+}

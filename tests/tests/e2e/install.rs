@@ -1,0 +1,133 @@
+//! Installing handoff in a real application's database: migration bookkeeping in handoff's own
+//! schemas, the `migrate` subcommand, `--migrate never`, and the upgrade of installs whose history
+//! is in `public._sqlx_migrations`.
+
+use std::time::Duration;
+
+use handoff_tests::process::run_binary;
+use handoff_tests::{TestEnv, eventually};
+use sqlx::migrate::{Migration, MigrationType, Migrator};
+use sqlx::{PgPool, SqlSafeStr};
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// The application's own sqlx migrations, with their history in `public._sqlx_migrations` (sqlx's
+/// default), as an application that uses sqlx has them.
+fn application_migrator() -> Migrator {
+    Migrator::with_migrations(vec![Migration::new(
+        20250101000000,
+        "application tables".into(),
+        MigrationType::Simple,
+        "CREATE TABLE repair_case (id bigint PRIMARY KEY, followup_approved boolean NOT NULL DEFAULT false)"
+            .into_sql_str(),
+        false,
+    )])
+}
+
+async fn versions(pool: &PgPool, table: &str) -> Vec<i64> {
+    sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT version FROM {table} ORDER BY version")))
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
+async fn migrate(binary: &str, url: &str) -> handoff_tests::process::CommandOutput {
+    run_binary(binary, &[("DATABASE_URL", url.to_owned())], &["migrate"], WAIT).await.unwrap()
+}
+
+#[tokio::test]
+async fn relay_and_consumer_migrate_into_an_application_database_and_every_migrator_keeps_working() {
+    let env = TestEnv::start().await.unwrap();
+    let url = env.postgres.fresh_database("application").await.unwrap();
+    let pool = PgPool::connect(&url).await.unwrap();
+    application_migrator().run(&pool).await.unwrap();
+
+    // Relay and consumer in the same database as the application, each with its own history.
+    let out = migrate("handoff-relay", &url).await.expect_code(0).unwrap();
+    assert!(out.stdout.contains("schema handoff at version"), "{}", out.stdout);
+    migrate("handoff-consumer", &url).await.expect_code(0).unwrap();
+    application_migrator().run(&pool).await.unwrap();
+    assert_eq!(versions(&pool, "public._sqlx_migrations").await, [20250101000000]);
+    let relay: Vec<i64> = handoff_relay::SCHEMA.migrator().iter().map(|m| m.version).collect();
+    let consumer: Vec<i64> = handoff_consumer::SCHEMA.migrator().iter().map(|m| m.version).collect();
+    assert_eq!(versions(&pool, "handoff._sqlx_migrations").await, relay);
+    assert_eq!(versions(&pool, "handoff_consumer._sqlx_migrations").await, consumer);
+    // Running them again changes nothing and fails nothing.
+    migrate("handoff-relay", &url).await.expect_code(0).unwrap();
+    migrate("handoff-consumer", &url).await.expect_code(0).unwrap();
+
+    // A relay that may not migrate starts on the current schema and publishes.
+    let _relay =
+        env.relay_process_with(&[("DATABASE_URL", url.clone()), ("HANDOFF_MIGRATE", "never".to_owned())]).unwrap();
+    sqlx::query("SELECT handoff.record_approved_action('harbor:create-followup:v1:case-1', '{\"case_id\": \"case-1\"}', 'user-17')")
+        .execute(&pool)
+        .await
+        .unwrap();
+    eventually("published", WAIT, || async {
+        let state: String = sqlx::query_scalar("SELECT state FROM handoff.outbox").fetch_one(&pool).await?;
+        Ok((state == "published").then_some(()))
+    })
+    .await
+    .unwrap();
+    assert_eq!(env.stream_messages().await.unwrap(), 1);
+}
+
+#[tokio::test]
+async fn a_service_with_migrate_never_refuses_a_schema_that_is_behind_and_says_what_to_run() {
+    let env = TestEnv::start().await.unwrap();
+    let url = env.postgres.fresh_database("unmigrated").await.unwrap();
+    for (binary, subcommand) in
+        [("handoff-relay", "handoff-relay migrate"), ("handoff-consumer", "handoff-consumer migrate")]
+    {
+        let out = run_binary(
+            binary,
+            &[
+                ("DATABASE_URL", url.clone()),
+                ("HANDOFF_MIGRATE", "never".to_owned()),
+                ("NATS_URL", env.nats.url()),
+                ("HANDOFF_STREAM", env.stream.clone()),
+                ("HANDOFF_SUBJECT_PREFIX", env.subjects.prefix().to_owned()),
+                ("HANDOFF_HTTP_ADDR", String::new()),
+                ("HANDOFF_STREAM_WAIT_SECS", "1".to_owned()),
+            ],
+            &[],
+            WAIT,
+        )
+        .await
+        .unwrap();
+        assert_ne!(out.code, Some(0), "{binary} started on an unmigrated schema");
+        assert!(out.stderr.contains("never migrated") && out.stderr.contains(subcommand), "{binary}: {}", out.stderr);
+    }
+    let pool = PgPool::connect(&url).await.unwrap();
+    let tables: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM information_schema.tables WHERE table_schema LIKE 'handoff%'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(tables, 0, "nothing was created");
+}
+
+#[tokio::test]
+async fn an_install_whose_history_is_in_public_is_adopted_without_running_anything_again() {
+    let env = TestEnv::start().await.unwrap();
+    let url = env.postgres.fresh_database("legacy").await.unwrap();
+    let pool = PgPool::connect(&url).await.unwrap();
+    // The relay as released before: its migrations with sqlx's default bookkeeping table.
+    let legacy = Migrator { migrations: handoff_relay::SCHEMA.migrator().migrations.clone(), ..Migrator::DEFAULT };
+    legacy.run_to(20261201000001, &pool).await.unwrap();
+    sqlx::query("SELECT handoff.record_approved_action('harbor:create-followup:v1:case-1', '{\"case_id\": \"case-1\"}', 'user-17')")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(versions(&pool, "public._sqlx_migrations").await, [20261129000001, 20261201000001]);
+
+    let out = migrate("handoff-relay", &url).await.expect_code(0).unwrap();
+    assert!(out.stdout.contains("2 history rows moved from public._sqlx_migrations"), "{}", out.stdout);
+    assert!(versions(&pool, "public._sqlx_migrations").await.is_empty());
+    let all: Vec<i64> = handoff_relay::SCHEMA.migrator().iter().map(|m| m.version).collect();
+    assert_eq!(versions(&pool, "handoff._sqlx_migrations").await, all, "adopted, then the newer ones applied");
+    let approvals: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM handoff.approved_action").fetch_one(&pool).await.unwrap();
+    assert_eq!(approvals, 1, "the recorded action survived: nothing ran twice");
+    migrate("handoff-relay", &url).await.expect_code(0).unwrap();
+}
