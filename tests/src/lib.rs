@@ -238,6 +238,21 @@ impl TestEnv {
         Ok(count_by_state(&self.producer_db).await?)
     }
 
+    /// Changes a recorded approval's payload behind handoff's back, as only a role that can bypass
+    /// triggers could (the trigger refuses everybody else): for tests of the relay's second line, the
+    /// hash check.
+    pub async fn tamper_with_payload(&self, key: &str, payload: serde_json::Value) -> Result<()> {
+        let mut tx = self.producer_db.begin().await?;
+        sqlx::query("SET LOCAL session_replication_role = replica").execute(&mut *tx).await?;
+        sqlx::query("UPDATE handoff.approved_action SET payload = $2 WHERE operation_key = $1")
+            .bind(key)
+            .bind(payload)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
     /// Approved actions recorded.
     pub async fn approvals(&self) -> Result<i64> {
         Ok(sqlx::query_scalar("SELECT count(*) FROM handoff.approved_action").fetch_one(&self.producer_db).await?)

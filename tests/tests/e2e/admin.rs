@@ -53,11 +53,7 @@ async fn explain_tells_every_local_end_state_and_status_counts_them() {
     env.js.send_publish(subject, forged).await.unwrap().await.unwrap();
     // case-5's stored payload no longer matches its approval: the relay blocks it.
     env.approve("case-5", SEED_TITLE).await.unwrap();
-    sqlx::query("UPDATE handoff.approved_action SET payload = '{\"case_id\": \"case-5\", \"title\": \"edited\"}' WHERE operation_key = $1")
-        .bind(key("case-5"))
-        .execute(&env.producer_db)
-        .await
-        .unwrap();
+    env.tamper_with_payload(&key("case-5"), serde_json::json!({"case_id": "case-5", "title": "edited"})).await.unwrap();
     assert_eq!(relay.publish_batch().await.unwrap().blocked, 1);
     let handled = consumer.fetch_and_handle(WAIT).await.unwrap();
     assert_eq!(handled.len(), 4, "{handled:?}");
@@ -260,20 +256,13 @@ async fn unblocking_a_blocked_row_publishes_it_once() {
     env.approve("case-1", SEED_TITLE).await.unwrap();
     let original: serde_json::Value =
         sqlx::query_scalar("SELECT payload FROM handoff.approved_action").fetch_one(&env.producer_db).await.unwrap();
-    sqlx::query("UPDATE handoff.approved_action SET payload = '{\"case_id\": \"case-1\", \"title\": \"edited\"}'")
-        .execute(&env.producer_db)
-        .await
-        .unwrap();
+    env.tamper_with_payload(&key("case-1"), serde_json::json!({"case_id": "case-1", "title": "edited"})).await.unwrap();
     assert_eq!(relay.publish_batch().await.unwrap().blocked, 1);
     let listed = env.admin(&["blocked", "list"]).await.unwrap().expect_code(0).unwrap().stdout;
     assert!(listed.contains(&key("case-1")) && listed.contains("payload changed after approval"), "{listed}");
 
     // The cause is fixed (the approved payload restored), then the row is unblocked.
-    sqlx::query("UPDATE handoff.approved_action SET payload = $1")
-        .bind(original)
-        .execute(&env.producer_db)
-        .await
-        .unwrap();
+    env.tamper_with_payload(&key("case-1"), original).await.unwrap();
     env.admin(&["blocked", "unblock", &key("case-1"), "--actor", "ana", "--reason", "payload restored"])
         .await
         .unwrap()

@@ -157,3 +157,40 @@ async fn invalid_input_never_enqueues_on_either_path() {
     assert_eq!(env.approvals().await.unwrap(), 0);
     assert_eq!(env.outbox().await.unwrap(), Default::default());
 }
+
+#[tokio::test]
+async fn a_recorded_approval_cannot_be_changed_and_the_approved_payload_is_what_is_published() {
+    let env = TestEnv::start().await.unwrap();
+    // The SQL path without a hash: the relay computes it at the first publish.
+    sqlx::query(
+        "SELECT handoff.record_approved_action('harbor:create-followup:v1:case-1', '{\"case_id\": \"case-1\", \"title\": \"approved\"}', 'user-17')",
+    )
+    .execute(&env.producer_db)
+    .await
+    .unwrap();
+    for change in [
+        "UPDATE handoff.approved_action SET payload = '{\"case_id\": \"case-1\", \"title\": \"edited\"}'",
+        "UPDATE handoff.approved_action SET approved_by = 'someone-else'",
+        "UPDATE handoff.approved_action SET operation_key = 'harbor:create-followup:v1:case-2'",
+        "DELETE FROM handoff.approved_action",
+    ] {
+        let error = sqlx::query(change).execute(&env.producer_db).await.unwrap_err();
+        assert_eq!(sqlstate(&error).as_deref(), Some("HO403"), "{change}: {error}");
+    }
+
+    let relay = env.relay(env.relay_settings()).await.unwrap();
+    assert_eq!(relay.publish_batch().await.unwrap().published, 1);
+    let message = env.js.get_stream(&env.stream).await.unwrap().get_raw_message(1).await.unwrap();
+    let event: serde_json::Value = serde_json::from_slice(&message.payload).unwrap();
+    assert_eq!(event["data"]["title"], "approved");
+    // The relay filled in the hash it computed (the one change allowed: a wrong hash filled in
+    // earlier would only block the row), and it binds from now on.
+    let (hash,): (Option<String>,) =
+        sqlx::query_as("SELECT payload_hash FROM handoff.approved_action").fetch_one(&env.producer_db).await.unwrap();
+    assert_eq!(hash.as_deref(), event["handoffhash"].as_str());
+    let error = sqlx::query("UPDATE handoff.approved_action SET payload_hash = repeat('0', 64)")
+        .execute(&env.producer_db)
+        .await
+        .unwrap_err();
+    assert_eq!(sqlstate(&error).as_deref(), Some("HO403"));
+}
