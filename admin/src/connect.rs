@@ -2,15 +2,9 @@
 //! subcommand asks for the ones it needs and fails, naming the flag and the variable, when one is
 //! missing. Nothing is connected that a subcommand does not use.
 
-use std::time::Duration;
-
 use anyhow::{Context, Result, anyhow};
 use handoff_shared::config::{DatabaseArgs, NatsArgs};
 use sqlx::PgPool;
-
-/// How long the admin command waits for NATS before giving up (the services retry for ever; a
-/// person at a terminal should hear why instead).
-pub const NATS_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The databases, the stream and the durable consumer, as flags and environment variables (the
 /// services' own names for stream and durable consumer). NATS settings belong to the subcommands
@@ -65,16 +59,10 @@ impl Connections {
     }
 }
 
-/// JetStream, bounded by [`NATS_CONNECT_TIMEOUT`].
+/// JetStream. The first connection is bounded by `--nats-connect-timeout-secs`; its error names
+/// the cause and what to check.
 pub async fn jetstream(nats: &NatsArgs) -> Result<async_nats::jetstream::Context> {
-    let urls = nats.urls.join(",");
-    let client = tokio::time::timeout(NATS_CONNECT_TIMEOUT, nats.connect("handoff-admin"))
-        .await
-        .map_err(|_| {
-            anyhow!("NATS at {urls} did not accept a connection within {NATS_CONNECT_TIMEOUT:?} (--nats-url, NATS_URL)")
-        })?
-        .with_context(|| format!("connecting to NATS at {urls}"))?;
-    Ok(async_nats::jetstream::new(client))
+    Ok(async_nats::jetstream::new(nats.connect("handoff-admin").await?))
 }
 
 async fn connect(url: &str, which: &str) -> Result<PgPool> {

@@ -47,17 +47,27 @@ pub struct ConsumerConfig {
     #[arg(long, env = "HANDOFF_CONSUMER_NAME", default_value = "handoff-crm")]
     pub consumer_name: String,
     /// Seconds without an ack before a message is redelivered.
-    #[arg(long, env = "HANDOFF_ACK_WAIT_SECS", default_value_t = 30)]
+    #[arg(long, env = "HANDOFF_ACK_WAIT_SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     pub ack_wait_secs: u64,
     /// Unacknowledged messages allowed across all replicas. Keep it at least replicas x batch
     /// size: beyond max_ack_pending / batch size, further replicas get nothing to do.
-    #[arg(long, env = "HANDOFF_MAX_ACK_PENDING", default_value_t = DEFAULT_MAX_ACK_PENDING)]
+    #[arg(
+        long,
+        env = "HANDOFF_MAX_ACK_PENDING",
+        default_value_t = DEFAULT_MAX_ACK_PENDING,
+        value_parser = clap::value_parser!(i64).range(1..=10_000_000)
+    )]
     pub max_ack_pending: i64,
     /// Messages per transaction.
-    #[arg(long, env = "HANDOFF_CONSUMER_BATCH_SIZE", default_value_t = crate::ConsumerSettings::DEFAULT_BATCH_SIZE)]
+    #[arg(
+        long,
+        env = "HANDOFF_CONSUMER_BATCH_SIZE",
+        default_value_t = crate::ConsumerSettings::DEFAULT_BATCH_SIZE,
+        value_parser = handoff_shared::config::at_least_one
+    )]
     pub batch_size: usize,
     /// Failed deliveries before a message is dead-lettered.
-    #[arg(long, env = "HANDOFF_DEAD_LETTER_AFTER", default_value_t = 10)]
+    #[arg(long, env = "HANDOFF_DEAD_LETTER_AFTER", default_value_t = 10, value_parser = clap::value_parser!(i64).range(1..=1_000_000))]
     pub dead_letter_after: i64,
     /// Seconds to wait at startup for the relay to create the stream.
     #[arg(long, env = "HANDOFF_STREAM_WAIT_SECS", default_value_t = 60)]
@@ -160,22 +170,47 @@ pub struct CrmArgs {
     #[arg(long = "crm-query-freshness-secs", env = "HANDOFF_CRM_QUERY_FRESHNESS_SECS", default_value_t = 30)]
     pub query_freshness_secs: u64,
     /// Whole-request timeout, milliseconds; past it an outcome is unknown.
-    #[arg(long = "crm-timeout-ms", env = "HANDOFF_CRM_TIMEOUT_MS", default_value_t = 10_000)]
+    #[arg(
+        long = "crm-timeout-ms",
+        env = "HANDOFF_CRM_TIMEOUT_MS",
+        default_value_t = 10_000,
+        value_parser = clap::value_parser!(u64).range(1..=3_600_000)
+    )]
     pub timeout_ms: u64,
     /// CRM calls in flight per replica.
-    #[arg(long = "crm-in-flight", env = "HANDOFF_CRM_IN_FLIGHT", default_value_t = 16)]
+    #[arg(
+        long = "crm-in-flight",
+        env = "HANDOFF_CRM_IN_FLIGHT",
+        default_value_t = 16,
+        value_parser = clap::value_parser!(i64).range(1..=4096)
+    )]
     pub in_flight: i64,
     /// Create attempts before an action goes to review.
-    #[arg(long = "crm-max-attempts", env = "HANDOFF_CRM_MAX_ATTEMPTS", default_value_t = 5)]
+    #[arg(
+        long = "crm-max-attempts",
+        env = "HANDOFF_CRM_MAX_ATTEMPTS",
+        default_value_t = 5,
+        value_parser = clap::value_parser!(i32).range(1..=1000)
+    )]
     pub max_attempts: i32,
     /// Delay between readbacks of an unknown outcome, milliseconds.
-    #[arg(long = "crm-readback-interval-ms", env = "HANDOFF_CRM_READBACK_INTERVAL_MS", default_value_t = 1000)]
+    #[arg(
+        long = "crm-readback-interval-ms",
+        env = "HANDOFF_CRM_READBACK_INTERVAL_MS",
+        default_value_t = 1000,
+        value_parser = clap::value_parser!(u64).range(1..=3_600_000)
+    )]
     pub readback_interval_ms: u64,
     /// How long readback may be unavailable before review, seconds.
     #[arg(long = "crm-readback-window-secs", env = "HANDOFF_CRM_READBACK_WINDOW_SECS", default_value_t = 300)]
     pub readback_window_secs: u64,
     /// Lease on a ledger row while a replica calls the CRM, seconds (longer than the timeout).
-    #[arg(long = "crm-lease-secs", env = "HANDOFF_CRM_LEASE_SECS", default_value_t = 60.0)]
+    #[arg(
+        long = "crm-lease-secs",
+        env = "HANDOFF_CRM_LEASE_SECS",
+        default_value_t = 60.0,
+        value_parser = handoff_shared::config::positive_seconds
+    )]
     pub lease_secs: f64,
 }
 
@@ -291,6 +326,26 @@ mod tests {
     #[test]
     fn the_command_line_is_consistent() {
         ConsumerConfig::command().debug_assert();
+    }
+
+    #[test]
+    fn numbers_that_would_stall_or_panic_are_refused_naming_the_flag() {
+        for (flag, value) in [
+            ("--batch-size", "0"),
+            ("--crm-in-flight", "0"),
+            ("--crm-lease-secs", "-3"),
+            ("--crm-lease-secs", "NaN"),
+            ("--max-ack-pending", "0"),
+            ("--dead-letter-after", "0"),
+            ("--ack-wait-secs", "0"),
+            ("--crm-timeout-ms", "0"),
+            ("--crm-max-attempts", "0"),
+        ] {
+            let assignment = format!("{flag}={value}");
+            let args = ["handoff-consumer", "--database-url", "postgres://db/x", assignment.as_str()];
+            let error = ConsumerConfig::try_parse_from(args).unwrap_err().to_string();
+            assert!(error.contains(flag), "{flag} {value}: {error}");
+        }
     }
 
     #[test]

@@ -11,7 +11,20 @@ use handoff_shared::config::{ServiceCommand, run_migrate};
 use handoff_shared::observe::Endpoint;
 use tokio_util::sync::CancellationToken;
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
+    match start() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            // The whole cause chain on one line, the last one the process prints.
+            let chain = handoff_shared::logging::error_chain(error.as_ref());
+            tracing::error!(error = %chain, "stopped");
+            eprintln!("handoff-consumer: {chain}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn start() -> anyhow::Result<()> {
     let config = ConsumerConfig::parse();
     handoff_shared::config::init_tracing(config.log_format);
     let runtime = config.runtime.build()?;

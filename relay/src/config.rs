@@ -35,34 +35,40 @@ pub struct RelayConfig {
     pub subject_prefix: String,
     /// Broker de-duplication window for Nats-Msg-Id, seconds. Longer than the relay's retry horizon
     /// keeps every re-publish a broker-level duplicate.
-    #[arg(long, env = "HANDOFF_DUPLICATE_WINDOW_SECS", default_value_t = 3600)]
+    #[arg(long, env = "HANDOFF_DUPLICATE_WINDOW_SECS", default_value_t = 3600, value_parser = clap::value_parser!(u64).range(1..=2_592_000))]
     pub duplicate_window_secs: u64,
     /// Stream message retention, seconds (0 = keep until the size limit).
     #[arg(long, env = "HANDOFF_STREAM_MAX_AGE_SECS", default_value_t = 7 * 24 * 3600)]
     pub stream_max_age_secs: u64,
     /// Stream size limit in bytes (-1 = unlimited); when full, publishes are refused and retried.
-    #[arg(long, env = "HANDOFF_STREAM_MAX_BYTES", default_value_t = -1, allow_negative_numbers = true)]
+    #[arg(
+        long,
+        env = "HANDOFF_STREAM_MAX_BYTES",
+        default_value_t = -1,
+        allow_negative_numbers = true,
+        value_parser = parse_max_bytes
+    )]
     pub stream_max_bytes: i64,
     /// Stream replicas (3 in production clusters).
-    #[arg(long, env = "HANDOFF_STREAM_REPLICAS", default_value_t = 1)]
+    #[arg(long, env = "HANDOFF_STREAM_REPLICAS", default_value_t = 1, value_parser = parse_replicas)]
     pub stream_replicas: usize,
     /// Keep the stream in memory instead of files (tests only: loses data on restart).
     #[arg(long, env = "HANDOFF_STREAM_MEMORY", default_value_t = false)]
     pub stream_memory: bool,
     /// Rows claimed per batch.
-    #[arg(long, env = "HANDOFF_RELAY_BATCH_SIZE", default_value_t = 1000)]
+    #[arg(long, env = "HANDOFF_RELAY_BATCH_SIZE", default_value_t = 1000, value_parser = clap::value_parser!(i64).range(1..=100_000))]
     pub batch_size: i64,
     /// Concurrent claim-publish-mark loops.
-    #[arg(long, env = "HANDOFF_RELAY_WORKERS", default_value_t = 2)]
+    #[arg(long, env = "HANDOFF_RELAY_WORKERS", default_value_t = 2, value_parser = handoff_shared::config::at_least_one)]
     pub workers: usize,
     /// Lease on claimed rows, seconds; a dead relay's rows are retried after it.
-    #[arg(long, env = "HANDOFF_RELAY_LEASE_SECS", default_value_t = 30.0)]
+    #[arg(long, env = "HANDOFF_RELAY_LEASE_SECS", default_value_t = 30.0, value_parser = handoff_shared::config::positive_seconds)]
     pub lease_secs: f64,
     /// Poll interval when idle, milliseconds (LISTEN/NOTIFY wakes the relay sooner).
-    #[arg(long, env = "HANDOFF_RELAY_POLL_MS", default_value_t = 500)]
+    #[arg(long, env = "HANDOFF_RELAY_POLL_MS", default_value_t = 500, value_parser = clap::value_parser!(u64).range(1..=600_000))]
     pub poll_ms: u64,
     /// Publish attempts before a row is blocked.
-    #[arg(long, env = "HANDOFF_RELAY_MAX_ATTEMPTS", default_value_t = 10)]
+    #[arg(long, env = "HANDOFF_RELAY_MAX_ATTEMPTS", default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub max_attempts: u32,
     /// Block rows still failing after this many seconds (0 = no age limit).
     #[arg(long, env = "HANDOFF_RELAY_MAX_AGE_SECS", default_value_t = 0)]
@@ -71,11 +77,11 @@ pub struct RelayConfig {
     #[arg(long, env = "HANDOFF_RELAY_BACKOFF_INITIAL_MS", default_value_t = 1000)]
     pub backoff_initial_ms: u64,
     /// Longest retry delay, seconds.
-    #[arg(long, env = "HANDOFF_RELAY_BACKOFF_MAX_SECS", default_value_t = 300)]
+    #[arg(long, env = "HANDOFF_RELAY_BACKOFF_MAX_SECS", default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     pub backoff_max_secs: u64,
     /// Seconds a committed row may wait behind an older, still open write transaction before it is
     /// claimed on its own instead of in commit order.
-    #[arg(long, env = "HANDOFF_RELAY_HELD_BACK_SECS", default_value_t = 1.0)]
+    #[arg(long, env = "HANDOFF_RELAY_HELD_BACK_SECS", default_value_t = 1.0, value_parser = handoff_shared::config::positive_seconds)]
     pub held_back_secs: f64,
     /// Delete published outbox rows (approved actions are kept) this many seconds after publishing
     /// (0 = keep forever). Keep them at least as long as the broker keeps messages, to re-publish a
@@ -108,6 +114,25 @@ pub struct RelayConfig {
     /// Log format.
     #[arg(long, env = "LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
+}
+
+/// `-1` (no limit) or a positive byte count.
+fn parse_max_bytes(s: &str) -> Result<i64, String> {
+    match s.trim().parse::<i64>() {
+        Ok(-1) => Ok(-1),
+        Ok(n) if n > 0 => Ok(n),
+        Ok(n) => Err(format!("{n}: use -1 (no limit) or a positive number of bytes")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// JetStream stream replicas: 1 to 5.
+fn parse_replicas(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n @ 1..=5) => Ok(n),
+        Ok(n) => Err(format!("{n}: a stream has 1 to 5 replicas (3 in a cluster)")),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 impl RelayConfig {
@@ -159,5 +184,35 @@ mod tests {
     #[test]
     fn the_command_line_is_consistent() {
         super::RelayConfig::command().debug_assert();
+    }
+
+    #[test]
+    fn numbers_that_would_stall_or_panic_are_refused_naming_the_flag() {
+        use clap::Parser;
+        for (flag, value) in [
+            ("--batch-size", "0"),
+            ("--workers", "0"),
+            ("--lease-secs", "-1"),
+            ("--lease-secs", "NaN"),
+            ("--lease-secs", "0"),
+            ("--held-back-secs", "inf"),
+            ("--poll-ms", "0"),
+            ("--max-attempts", "0"),
+            ("--stream-replicas", "7"),
+            ("--stream-max-bytes", "0"),
+            ("--duplicate-window-secs", "0"),
+            ("--database-max-connections", "0"),
+            ("--nats-connect-timeout-secs", "0"),
+            ("--stall-after-secs", "0"),
+        ] {
+            let assignment = format!("{flag}={value}");
+            let args = ["handoff-relay", "--database-url", "postgres://db/x", assignment.as_str()];
+            let error = super::RelayConfig::try_parse_from(args).unwrap_err().to_string();
+            assert!(error.contains(flag), "{flag} {value}: {error}");
+        }
+        let args =
+            ["handoff-relay", "--database-url", "postgres://db/x", "--lease-secs", "2.5", "--stream-max-bytes", "-1"];
+        let config = super::RelayConfig::try_parse_from(args).unwrap();
+        assert_eq!(config.relay_settings().lease, std::time::Duration::from_millis(2500));
     }
 }

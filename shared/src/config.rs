@@ -44,12 +44,58 @@ pub struct NatsArgs {
     /// Refuse to connect without TLS.
     #[arg(long = "nats-tls-required", env = "NATS_TLS_REQUIRED", default_value_t = false)]
     pub tls_required: bool,
+    /// Seconds to keep trying the first connection while the server is unreachable (it may start
+    /// after this process); refused credentials or certificates fail at once, with the cause.
+    #[arg(
+        long = "nats-connect-timeout-secs",
+        env = "HANDOFF_NATS_CONNECT_TIMEOUT_SECS",
+        default_value_t = DEFAULT_NATS_CONNECT_TIMEOUT.as_secs(),
+        value_parser = clap::value_parser!(u64).range(1..=3600)
+    )]
+    pub connect_timeout_secs: u64,
+}
+
+/// Credentials a NATS URL carried.
+#[derive(Clone)]
+enum UrlCredentials {
+    UserPassword(String, String),
+    /// `nats://<token>@host`.
+    Token(String),
+}
+
+/// A server address without the credentials its URL carried, and those credentials.
+fn split_credentials(text: &str) -> Result<(async_nats::ServerAddr, Option<UrlCredentials>), String> {
+    let bad = |e: &dyn std::fmt::Display| format!("{}: {e}", redact_url(text));
+    let mut url = url::Url::parse(text).map_err(|e| bad(&e))?;
+    let decode = |part: &str| percent_encoding::percent_decode_str(part).decode_utf8_lossy().into_owned();
+    let credentials = match (url.username(), url.password()) {
+        ("", None) => None,
+        (user, Some(password)) => Some(UrlCredentials::UserPassword(decode(user), decode(password))),
+        (token, None) => Some(UrlCredentials::Token(decode(token))),
+    };
+    let _ = url.set_username("");
+    let _ = url.set_password(None);
+    let addr = url.as_str().parse::<async_nats::ServerAddr>().map_err(|e| bad(&e))?;
+    Ok((addr, credentials))
+}
+
+/// How long a service keeps trying its first NATS connection while the server is unreachable.
+pub const DEFAULT_NATS_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Why the first NATS connection failed. The message names the servers, the cause and what to check.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot connect to NATS at {urls}: {cause}{hint}")]
+pub struct NatsConnectError {
+    pub urls: String,
+    /// The whole cause chain of the last attempt.
+    pub cause: String,
+    hint: &'static str,
 }
 
 impl fmt::Debug for NatsArgs {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("NatsArgs")
-            .field("urls", &self.urls)
+            .field("urls", &self.urls.iter().map(|u| redact_url(u)).collect::<Vec<_>>())
             .field("creds_file", &self.creds_file)
             .field("nkey_seed", &self.nkey_seed.as_ref().map(|_| "<redacted>"))
             .field("user", &self.user)
@@ -59,6 +105,7 @@ impl fmt::Debug for NatsArgs {
             .field("tls_cert", &self.tls_cert)
             .field("tls_key", &self.tls_key)
             .field("tls_required", &self.tls_required)
+            .field("connect_timeout_secs", &self.connect_timeout_secs)
             .finish()
     }
 }
@@ -77,16 +124,74 @@ impl NatsArgs {
             tls_cert: None,
             tls_key: None,
             tls_required: false,
+            connect_timeout_secs: DEFAULT_NATS_CONNECT_TIMEOUT.as_secs(),
         }
     }
 
-    /// Connects, naming the connection `name` (visible in the server's connz) and retrying the first
-    /// connection so a process may start before the broker does.
-    pub async fn connect(&self, name: &str) -> anyhow::Result<async_nats::Client> {
-        let mut options = async_nats::ConnectOptions::new()
-            .name(name)
-            .connection_timeout(DEFAULT_CONNECT_TIMEOUT)
-            .retry_on_initial_connect();
+    /// Connects, naming the connection `name` (visible in the server's connz). While the server is
+    /// unreachable the first connection is retried (a process may start before the broker) for
+    /// `--nats-connect-timeout-secs`; refused credentials, an untrusted certificate or a malformed
+    /// URL fail at once. Either way the error names the cause and what to check. Once connected,
+    /// the client reconnects by itself for as long as the process runs.
+    pub async fn connect(&self, name: &str) -> Result<async_nats::Client, NatsConnectError> {
+        use async_nats::ConnectErrorKind as Kind;
+        let urls = self.urls.iter().map(|u| redact_url(u)).collect::<Vec<_>>().join(",");
+        let fail = |cause: String, hint: &'static str| NatsConnectError { urls: urls.clone(), cause, hint };
+        // Credentials written into a URL go to the client as options, and the URL without them:
+        // the client logs server addresses (at debug), and a password must never be among them.
+        let mut url_credentials = None;
+        let mut addrs = Vec::with_capacity(self.urls.len());
+        for text in &self.urls {
+            let (addr, credentials) =
+                split_credentials(text).map_err(|cause| fail(cause, " (--nats-url, NATS_URL)"))?;
+            url_credentials = url_credentials.or(credentials);
+            addrs.push(addr);
+        }
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(self.connect_timeout_secs);
+        let mut pause = Duration::from_millis(200);
+        loop {
+            let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let mut options = self
+                .options(name, remaining.clamp(Duration::from_secs(1), DEFAULT_CONNECT_TIMEOUT))
+                .await
+                .map_err(|e| fail(crate::logging::error_chain(e.as_ref()), " (--nats-creds, NATS_CREDS)"))?;
+            options = match url_credentials.clone() {
+                Some(UrlCredentials::UserPassword(user, password)) => options.user_and_password(user, password),
+                Some(UrlCredentials::Token(token)) => options.token(token),
+                None => options,
+            };
+            let error = match options.connect(addrs.clone()).await {
+                Ok(client) => return Ok(client),
+                Err(error) => error,
+            };
+            let cause = crate::logging::error_chain(&error);
+            let hint = match error.kind() {
+                Kind::AuthorizationViolation | Kind::Authentication => {
+                    return Err(fail(
+                        cause,
+                        " (check --nats-user/--nats-password, --nats-token, --nats-nkey or --nats-creds)",
+                    ));
+                }
+                Kind::Tls => {
+                    return Err(fail(
+                        cause,
+                        " (check --nats-tls-ca: it must sign the server's certificate; and --nats-tls-cert/--nats-tls-key)",
+                    ));
+                }
+                Kind::ServerParse => return Err(fail(cause, " (--nats-url, NATS_URL)")),
+                _ => " (is the server up and reachable? --nats-url, NATS_URL)",
+            };
+            if tokio::time::Instant::now() + pause >= deadline {
+                return Err(fail(format!("{cause}; gave up after {}s", self.connect_timeout_secs), hint));
+            }
+            tracing::info!(error = %cause, retry_in_ms = pause.as_millis() as u64, "NATS not reachable yet");
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_secs(5));
+        }
+    }
+
+    async fn options(&self, name: &str, attempt_timeout: Duration) -> anyhow::Result<async_nats::ConnectOptions> {
+        let mut options = async_nats::ConnectOptions::new().name(name).connection_timeout(attempt_timeout);
         if let Some(path) = &self.creds_file {
             options = options.credentials_file(path).await?;
         }
@@ -105,9 +210,7 @@ impl NatsArgs {
         if let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) {
             options = options.add_client_certificate(cert.clone(), key.clone());
         }
-        options = options.require_tls(self.tls_required);
-        let addrs = self.urls.iter().map(|u| u.parse::<async_nats::ServerAddr>()).collect::<Result<Vec<_>, _>>()?;
-        Ok(options.connect(addrs).await?)
+        Ok(options.require_tls(self.tls_required))
     }
 }
 
@@ -119,7 +222,12 @@ pub struct DatabaseArgs {
     #[arg(long = "database-url", env = "DATABASE_URL", hide_env_values = true)]
     pub url: String,
     /// Largest number of pooled connections.
-    #[arg(long = "database-max-connections", env = "DATABASE_MAX_CONNECTIONS", default_value_t = 8)]
+    #[arg(
+        long = "database-max-connections",
+        env = "DATABASE_MAX_CONNECTIONS",
+        default_value_t = 8,
+        value_parser = clap::value_parser!(u32).range(1..=1000)
+    )]
     pub max_connections: u32,
 }
 
@@ -132,18 +240,39 @@ impl fmt::Debug for DatabaseArgs {
     }
 }
 
-/// `postgres://user:secret@host/db` -> `postgres://user:<redacted>@host/db`.
+/// Query parameters of a connection URL that hold secrets (libpq's `password`, `sslpassword`, and
+/// the token some NATS tooling accepts).
+const SECRET_QUERY_KEYS: [&str; 4] = ["password", "sslpassword", "token", "pass"];
+
+/// URL schemes of NATS servers.
+const NATS_SCHEMES: [&str; 4] = ["nats", "tls", "ws", "wss"];
+
+/// A connection URL safe to log: the password of `user:password@` and the values of secret query
+/// parameters (`?password=`, `sslpassword=`) become `<redacted>`. Parsed as a URL, so every form
+/// of the same secret is caught; a value that does not parse is not shown at all.
 pub fn redact_url(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => {
-            let userinfo = &url[scheme + 3..at];
-            match userinfo.find(':') {
-                Some(colon) => format!("{}{}:<redacted>{}", &url[..scheme + 3], &userinfo[..colon], &url[at..]),
-                None => url.to_owned(),
-            }
-        }
-        _ => url.to_owned(),
+    const REDACTED: &str = "<redacted>";
+    let Ok(mut parsed) = url::Url::parse(url) else {
+        return "<unparsable URL, not shown>".to_owned();
+    };
+    if parsed.password().is_some() {
+        let _ = parsed.set_password(Some(REDACTED));
+    } else if !parsed.username().is_empty() && NATS_SCHEMES.contains(&parsed.scheme()) {
+        // `nats://<token>@host`: for NATS a user name alone is a token.
+        let _ = parsed.set_username(REDACTED);
     }
+    if parsed.query().is_some() {
+        let pairs: Vec<(String, String)> = parsed
+            .query_pairs()
+            .map(|(k, v)| {
+                let secret = SECRET_QUERY_KEYS.contains(&k.to_ascii_lowercase().as_str());
+                (k.into_owned(), if secret { REDACTED.to_owned() } else { v.into_owned() })
+            })
+            .collect();
+        parsed.query_pairs_mut().clear().extend_pairs(pairs);
+    }
+    // The query serializer percent-encodes the angle brackets; show the marker as written.
+    parsed.to_string().replace("%3Credacted%3E", REDACTED)
 }
 
 impl DatabaseArgs {
@@ -172,6 +301,29 @@ impl DatabaseArgs {
             .await?)
     }
 }
+
+/// Parses a count that must be at least 1 (batch sizes, workers, calls in flight): 0 would stall
+/// silently, so it is refused at startup, naming the flag (clap adds which one).
+pub fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("expected a whole number >= 1: {e}")),
+    }
+}
+
+/// Parses seconds that must be a finite number above zero (leases, waits): a negative, zero or NaN
+/// duration is refused at startup instead of panicking when it is first used.
+pub fn positive_seconds(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(secs) if secs.is_finite() && secs > 0.0 && secs <= MAX_SECONDS => Ok(secs),
+        Ok(secs) => Err(format!("{secs} is not a duration in seconds between 0 (excluded) and {MAX_SECONDS}")),
+        Err(e) => Err(format!("expected seconds, e.g. 1.5: {e}")),
+    }
+}
+
+/// The longest duration any setting takes (30 days): beyond it, a typo.
+pub const MAX_SECONDS: f64 = 30.0 * 86_400.0;
 
 /// What the operations endpoint reports, shared by both services (the address is each service's
 /// own setting, so both can run on one host with their defaults).
@@ -336,5 +488,40 @@ mod tests {
     fn redaction_leaves_urls_without_passwords_alone() {
         assert_eq!(redact_url("postgres://db/x"), "postgres://db/x");
         assert_eq!(redact_url("postgres://app@db/x"), "postgres://app@db/x");
+        assert_eq!(redact_url("postgres://db/x?sslmode=require"), "postgres://db/x?sslmode=require");
+    }
+
+    #[test]
+    fn credentials_in_a_nats_url_move_to_the_options_and_out_of_the_address() {
+        let (addr, credentials) = split_credentials("nats://relay:p%40ss@nats:4222").unwrap();
+        assert!(!format!("{addr:?}").contains("p%40ss") && !format!("{addr:?}").contains("relay"), "{addr:?}");
+        assert!(matches!(credentials, Some(UrlCredentials::UserPassword(u, p)) if u == "relay" && p == "p@ss"));
+        let (_, credentials) = split_credentials("tls://tok3n@nats:4222").unwrap();
+        assert!(matches!(credentials, Some(UrlCredentials::Token(t)) if t == "tok3n"));
+        assert!(split_credentials("nats://nats:4222").unwrap().1.is_none());
+        assert!(split_credentials("not a url").is_err());
+    }
+
+    #[test]
+    fn every_form_of_a_url_secret_is_redacted() {
+        for (url, secret) in [
+            ("postgres://app:s3cret@db/x", "s3cret"),
+            ("postgres://app:p%40ss@db/x", "p%40ss"),
+            ("postgres://db/x?user=app&password=s3cret&sslmode=require", "s3cret"),
+            ("postgres://db/x?PASSWORD=s3cret", "s3cret"),
+            ("postgresql://db/x?sslpassword=keypass", "keypass"),
+            ("nats://relay:natspass@nats:4222", "natspass"),
+            ("tls://s3cr3ttoken@nats:4222", "s3cr3ttoken"),
+            ("nats://nats:4222?token=s3cr3ttoken", "s3cr3ttoken"),
+        ] {
+            let shown = redact_url(url);
+            assert!(!shown.contains(secret), "{url} -> {shown}");
+            assert!(shown.contains("<redacted>"), "{url} -> {shown}");
+        }
+        assert_eq!(
+            redact_url("postgres://db/x?user=app&password=s3cret&sslmode=require"),
+            "postgres://db/x?user=app&password=<redacted>&sslmode=require"
+        );
+        assert_eq!(redact_url("not a url with a secret"), "<unparsable URL, not shown>");
     }
 }

@@ -11,3 +11,4 @@ mod producer;
 mod relay;
 mod remote;
 mod scale;
+mod startup;

@@ -1,0 +1,90 @@
+//! How the binaries start and fail: secrets never reach the startup log, a refused NATS login or
+//! an unreachable server ends the process with the cause on its last line, within the connect
+//! timeout.
+
+use std::time::{Duration, Instant};
+
+use handoff_tests::process::run_binary;
+use handoff_tests::{Nats, ServiceProcess, TestEnv, eventually};
+
+#[tokio::test]
+async fn no_form_of_a_secret_reaches_the_startup_log() {
+    let env = TestEnv::start().await.unwrap();
+    // The test Postgres and NATS accept any credentials: the secrets only have to be given.
+    let db = env.producer_url().replace("postgres@", "postgres:userinfo-s3cret@") + "?password=query-s3cret";
+    let nats = env.nats.url().replace("nats://", "nats://natsuser:url-s3cret@");
+    let mut vars = env.service_env_for_relay();
+    vars.extend([
+        ("DATABASE_URL", db),
+        ("NATS_URL", nats),
+        ("NATS_TOKEN", "token-s3cret".to_owned()),
+        ("RUST_LOG", "debug".to_owned()),
+    ]);
+    let relay = ServiceProcess::spawn_capturing("handoff-relay", &vars).unwrap();
+    eventually("the relay to run", Duration::from_secs(60), || async {
+        Ok(relay.log_lines().iter().any(|l| l.contains("relay running")).then_some(()))
+    })
+    .await
+    .unwrap();
+    let lines = relay.log_lines();
+    let startup = lines.iter().find(|l| l.contains("starting handoff-relay")).expect("a startup line");
+    assert!(startup.contains("<redacted>"), "{startup}");
+    for secret in ["userinfo-s3cret", "query-s3cret", "url-s3cret", "token-s3cret"] {
+        assert!(lines.iter().all(|l| !l.contains(secret)), "{secret} was logged");
+    }
+}
+
+#[tokio::test]
+async fn wrong_nats_credentials_end_the_process_at_once_with_the_cause_on_its_last_line() {
+    let env = TestEnv::start().await.unwrap();
+    let guarded =
+        Nats::start_with_args(&["-js", "--store_dir", "/data", "--user", "relay", "--pass", "right"]).await.unwrap();
+    let mut vars = env.service_env_for_relay();
+    vars.extend([
+        ("NATS_URL", guarded.url()),
+        ("NATS_USER", "relay".to_owned()),
+        ("NATS_PASSWORD", "wrong".to_owned()),
+        ("HANDOFF_NATS_CONNECT_TIMEOUT_SECS", "30".to_owned()),
+    ]);
+    let started = Instant::now();
+    let out = run_binary("handoff-relay", &vars, &[], Duration::from_secs(60)).await.unwrap();
+    assert_ne!(out.code, Some(0));
+    assert!(started.elapsed() < Duration::from_secs(20), "a refused login is not retried for the timeout");
+    let last = out.stderr.lines().last().unwrap_or_default();
+    assert!(last.contains("authorization violation") && last.contains("--nats-user"), "{}", out.stderr);
+    assert!(!out.stderr.contains("wrong"), "the password is not printed");
+}
+
+#[tokio::test]
+async fn an_unreachable_nats_server_ends_the_process_after_the_connect_timeout_with_the_cause() {
+    let env = TestEnv::start().await.unwrap();
+    let nobody = handoff_tests::ops::free_local_addr().unwrap();
+    let mut vars = env.service_env_for_relay();
+    vars.extend([("NATS_URL", format!("nats://{nobody}")), ("HANDOFF_NATS_CONNECT_TIMEOUT_SECS", "2".to_owned())]);
+    let started = Instant::now();
+    let out = run_binary("handoff-relay", &vars, &[], Duration::from_secs(60)).await.unwrap();
+    assert_ne!(out.code, Some(0));
+    assert!(started.elapsed() < Duration::from_secs(15), "bounded by the connect timeout: {:?}", started.elapsed());
+    let last = out.stderr.lines().last().unwrap_or_default();
+    assert!(last.contains("cannot connect to NATS") && last.contains("gave up after 2s"), "{}", out.stderr);
+}
+
+#[tokio::test]
+async fn a_setting_that_would_stall_is_refused_at_startup_naming_it() {
+    let env = TestEnv::start().await.unwrap();
+    let mut vars = env.service_env_for_relay();
+    vars.push(("HANDOFF_RELAY_BATCH_SIZE", "0".to_owned()));
+    let out = run_binary("handoff-relay", &vars, &[], Duration::from_secs(30)).await.unwrap();
+    assert_eq!(out.code, Some(2), "{}", out.stderr);
+    assert!(out.stderr.contains("--batch-size"), "{}", out.stderr);
+    let out = run_binary(
+        "handoff-consumer",
+        &[("DATABASE_URL", env.consumer_url()), ("HANDOFF_CRM_LEASE_SECS", "NaN".to_owned())],
+        &[],
+        Duration::from_secs(30),
+    )
+    .await
+    .unwrap();
+    assert_eq!(out.code, Some(2), "{}", out.stderr);
+    assert!(out.stderr.contains("--crm-lease-secs"), "{}", out.stderr);
+}
