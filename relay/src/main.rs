@@ -8,16 +8,7 @@ use handoff_shared::observe::Endpoint;
 use tokio_util::sync::CancellationToken;
 
 fn main() -> std::process::ExitCode {
-    match start() {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(error) => {
-            // The whole cause chain on one line, the last one the process prints.
-            let chain = handoff_shared::logging::error_chain(error.as_ref());
-            tracing::error!(error = %chain, "stopped");
-            eprintln!("handoff-relay: {chain}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+    handoff_shared::config::exit_with("handoff-relay", start())
 }
 
 fn start() -> anyhow::Result<()> {

@@ -441,6 +441,20 @@ pub fn init_tracing(format: LogFormat) {
     };
 }
 
+/// The exit of a service: success, or the whole cause chain of its error on one line, the last
+/// line the process prints (and an ERROR event for log shippers).
+pub fn exit_with(binary: &str, result: anyhow::Result<()>) -> std::process::ExitCode {
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            let chain = crate::logging::error_chain(error.as_ref());
+            tracing::error!(error = %chain, "stopped");
+            eprintln!("{binary}: {chain}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
 /// Cancels `token` on SIGTERM or Ctrl-C, so `run_until_stopped` finishes in-flight work and returns.
 pub async fn shutdown_on_signal(token: tokio_util::sync::CancellationToken) {
     let ctrl_c = tokio::signal::ctrl_c();
