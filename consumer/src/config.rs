@@ -291,6 +291,7 @@ impl ConsumerConfig {
         let subjects = Subjects::new(self.subject_prefix.clone())?;
         Ok(SubscriptionSettings {
             stream: self.stream.clone(),
+            subjects: subjects.clone(),
             durable_name: self.consumer_name.clone(),
             filter_subject: self.filter_subject.clone().unwrap_or_else(|| subjects.all()),
             ack_wait: Duration::from_secs(self.ack_wait_secs),

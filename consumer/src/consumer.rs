@@ -144,6 +144,7 @@ struct Incoming {
 pub struct Consumer<C> {
     pool: PgPool,
     consumer: PullConsumer,
+    subjects: handoff_shared::Subjects,
     client: async_nats::Client,
     crm: Arc<C>,
     settings: ConsumerSettings,
@@ -173,6 +174,7 @@ impl<C: Crm + 'static> Consumer<C> {
         Ok(Self {
             pool,
             consumer,
+            subjects: subscription.subjects.clone(),
             client,
             crm: Arc::new(crm),
             settings,
@@ -237,7 +239,7 @@ impl<C: Crm + 'static> Consumer<C> {
                 crate::metrics::action_type(key)
             })
             .collect();
-        let outcomes = self.handle_verified(messages.into_iter().map(verify).collect()).await;
+        let outcomes = self.handle_verified(messages.into_iter().map(|m| verify(m, &self.subjects)).collect()).await;
         let mut counts: HashMap<(String, &'static str), u64> = HashMap::new();
         for (action, handled) in actions.into_iter().zip(&outcomes) {
             *counts.entry((action, handled.outcome())).or_default() += 1;
@@ -468,7 +470,10 @@ impl<C: Crm + 'static> Consumer<C> {
         let mut incoming = Vec::new();
         let mut still_failing = Vec::new();
         for letter in letters {
-            match Envelope::decode(&letter.body, letter.message_id.as_deref()) {
+            let verified = Envelope::decode(&letter.body, letter.message_id.as_deref())
+                .map_err(|e| e.to_string())
+                .and_then(|env| on_its_subject(env, &letter.subject, &self.subjects));
+            match verified {
                 Ok(envelope) => {
                     ids.push(letter.id);
                     incoming.push(Incoming {
@@ -478,7 +483,7 @@ impl<C: Crm + 'static> Consumer<C> {
                         delivered: letter.deliveries,
                     });
                 }
-                Err(error) => still_failing.push((letter.id, format!("replay failed: {error}"))),
+                Err(reason) => still_failing.push((letter.id, format!("replay failed: {reason}"))),
             }
         }
         let outcomes = self.record(&mut tx, &incoming).await?;
@@ -662,14 +667,29 @@ impl Readiness for ConsumerReadiness {
     }
 }
 
-fn verify(message: Message) -> Incoming {
+/// Verifies a delivered message: the envelope (see `Envelope::decode`), and that it arrived on the
+/// subject of its own key's action type, so a publisher allowed only on one action's subject cannot
+/// have another action's task created (and `--filter-subject` routing cannot be bypassed).
+fn verify(message: Message, subjects: &handoff_shared::Subjects) -> Incoming {
     let (sequence, delivered) = match message.info() {
         Ok(info) => (info.stream_sequence as i64, info.delivered),
         Err(_) => (0, 1),
     };
     let msg_id = message.headers.as_ref().and_then(|h| h.get(headers::MSG_ID)).map(|v| v.as_str().to_owned());
-    let verified = Envelope::decode(&message.payload, msg_id.as_deref()).map_err(|e| e.to_string());
+    let verified = Envelope::decode(&message.payload, msg_id.as_deref())
+        .map_err(|e| e.to_string())
+        .and_then(|env| on_its_subject(env, message.subject.as_str(), subjects));
     Incoming { message: Some(message), verified, sequence, delivered }
+}
+
+/// The envelope, if `subject` is its key's subject; otherwise why not.
+fn on_its_subject(env: Envelope, subject: &str, subjects: &handoff_shared::Subjects) -> Result<Envelope, String> {
+    let expected = subjects.for_key(&env.key);
+    if subject == expected {
+        Ok(env)
+    } else {
+        Err(format!("message for {} arrived on subject {subject}, not {expected}", env.key.action_type()))
+    }
 }
 
 /// Logs what a committed batch did that is worth a line.

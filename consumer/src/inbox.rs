@@ -235,6 +235,7 @@ pub async fn sample_depths(pool: &PgPool) -> Result<DepthSample, sqlx::Error> {
 pub struct StoredLetter {
     pub id: i64,
     pub stream_sequence: i64,
+    pub subject: String,
     pub message_id: Option<String>,
     pub deliveries: i64,
     pub body: Vec<u8>,
@@ -244,7 +245,7 @@ pub struct StoredLetter {
 /// (`SKIP LOCKED`: another replica's replays are left alone).
 pub async fn lock_replay_requests(conn: &mut PgConnection, limit: i64) -> Result<Vec<StoredLetter>, sqlx::Error> {
     sqlx::query_as(
-        r#"SELECT id, stream_sequence, message_id, deliveries, body FROM handoff_consumer.dead_letter
+        r#"SELECT id, stream_sequence, subject, message_id, deliveries, body FROM handoff_consumer.dead_letter
             WHERE replay_requested_at IS NOT NULL AND resolved_at IS NULL
             ORDER BY id LIMIT $1
               FOR UPDATE SKIP LOCKED"#,

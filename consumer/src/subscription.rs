@@ -9,6 +9,8 @@ use async_nats::jetstream::stream::Stream;
 #[derive(Debug, Clone)]
 pub struct SubscriptionSettings {
     pub stream: String,
+    /// The subject layout the relay publishes under: a message must arrive on its key's subject.
+    pub subjects: handoff_shared::Subjects,
     pub durable_name: String,
     /// Only these subjects (e.g. `handoff.harbor.create-followup` to scale one action separately).
     pub filter_subject: String,

@@ -90,6 +90,7 @@ impl TestEnv {
     pub fn subscription(&self) -> SubscriptionSettings {
         SubscriptionSettings {
             stream: self.stream.clone(),
+            subjects: self.subjects.clone(),
             durable_name: "crm".into(),
             filter_subject: self.subjects.all(),
             ack_wait: Duration::from_secs(1),

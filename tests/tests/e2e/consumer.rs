@@ -312,3 +312,41 @@ async fn two_copies_of_one_key_in_the_same_batch_make_one_task() {
     assert_eq!(env.tasks().await.unwrap(), 1);
     assert_eq!(env.consumer_counts().await.unwrap().inbox, 1);
 }
+
+#[tokio::test]
+async fn a_valid_message_on_another_action_types_subject_is_dead_lettered_and_creates_nothing() {
+    let env = TestEnv::start().await.unwrap();
+    let relay = env.relay(env.relay_settings()).await.unwrap();
+    let consumer = env.consumer(env.consumer_settings()).await.unwrap();
+    // Well formed, correctly hashed, its Nats-Msg-Id its key: only the subject is another action's,
+    // where a publisher allowed on that subject alone would put it.
+    let key: handoff_shared::OperationKey = "legit:create-followup:v1:case-1".parse().unwrap();
+    let envelope = handoff_shared::Envelope {
+        key: key.clone(),
+        payload: handoff_shared::CanonicalPayload::new(serde_json::json!({"case_id": "case-1"})).unwrap(),
+        approval: handoff_shared::Approval::new("user-17", chrono::Utc::now()).unwrap(),
+        source: "/test".into(),
+        time: chrono::Utc::now(),
+        traceparent: None,
+    };
+    let wrong_subject = format!("{}.othertenant.delete-everything", env.subjects.prefix());
+    let message = PublishMessage::build().payload(envelope.encode()).message_id(key.as_str());
+    env.js.send_publish(wrong_subject, message).await.unwrap().await.unwrap();
+    env.approve("case-104", SEED_TITLE).await.unwrap();
+    relay.publish_batch().await.unwrap();
+
+    let handled = eventually("both messages", Duration::from_secs(30), || async {
+        let handled = consumer.fetch_and_handle(Duration::from_secs(1)).await?;
+        Ok((!handled.is_empty()).then_some(handled))
+    })
+    .await
+    .unwrap();
+    assert_eq!(handled.len(), 2, "{handled:?}");
+    assert!(
+        matches!(&handled[0], Handled::DeadLettered { reason } if reason.contains("arrived on subject") && reason.contains("othertenant.delete-everything")),
+        "{handled:?}"
+    );
+    assert!(matches!(&handled[1], Handled::Created { .. }), "{handled:?}");
+    let counts = env.consumer_counts().await.unwrap();
+    assert_eq!((counts.tasks, counts.inbox, counts.dead_letters), (1, 1, 1));
+}
