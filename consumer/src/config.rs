@@ -83,6 +83,15 @@ pub struct ConsumerConfig {
     /// Log format.
     #[arg(long, env = "LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
+    /// Seconds before a message of a newer envelope version (from an upgraded relay) is offered
+    /// again; it is held, never dead-lettered, until a replica that reads it takes it.
+    #[arg(
+        long,
+        env = "HANDOFF_NEWER_VERSION_DELAY_SECS",
+        default_value_t = crate::consumer::DEFAULT_NEWER_VERSION_DELAY.as_secs(),
+        value_parser = clap::value_parser!(u64).range(1..=86_400)
+    )]
+    pub newer_version_delay_secs: u64,
     #[command(flatten)]
     pub crm: CrmArgs,
     /// With --crm http: verify and record intake (inbox and ledger rows) and acknowledge, but never
@@ -313,6 +322,7 @@ impl ConsumerConfig {
             stall_after: self.observe.stall_after(),
             sample_interval: self.observe.sample_interval(),
             migrate: self.migrate.mode,
+            newer_version_delay: Duration::from_secs(self.newer_version_delay_secs),
             ..ConsumerSettings::default()
         }
     }

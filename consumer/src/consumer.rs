@@ -45,7 +45,17 @@ pub struct ConsumerSettings {
     pub sample_interval: Duration,
     /// Apply pending migrations at startup, or refuse to start while the schema is behind.
     pub migrate: MigrateMode,
+    /// The newest envelope version this replica reads (this build's
+    /// [`SCHEMA_VERSION`](handoff_shared::envelope::SCHEMA_VERSION)); a lower value stands in for
+    /// an older build in upgrade tests.
+    pub newest_envelope_version: u32,
+    /// How long a message of a newer envelope version waits before it is offered again.
+    pub newer_version_delay: Duration,
 }
+
+/// A message of a newer envelope version is offered again after this long: rolling upgrades take
+/// minutes, and each offer is one cheap nak.
+pub const DEFAULT_NEWER_VERSION_DELAY: Duration = Duration::from_secs(300);
 
 impl ConsumerSettings {
     /// Messages per transaction: as many as the bare consumer loop of the benchmark takes. Fewer
@@ -67,6 +77,8 @@ impl Default for ConsumerSettings {
             stall_after: handoff_shared::observe::DEFAULT_STALL_AFTER,
             sample_interval: handoff_shared::observe::DEFAULT_SAMPLE_INTERVAL,
             migrate: MigrateMode::Auto,
+            newest_envelope_version: handoff_shared::envelope::SCHEMA_VERSION,
+            newer_version_delay: DEFAULT_NEWER_VERSION_DELAY,
         }
     }
 }
@@ -86,6 +98,9 @@ pub enum Handled {
     DeadLettered { reason: String },
     /// A transient failure: nak'ed for redelivery after a delay.
     Retrying { error: String },
+    /// Written in an envelope version newer than this replica reads: nak'ed with a long delay,
+    /// never dead-lettered, until an upgraded replica takes it.
+    Held { version: u32 },
 }
 
 impl Handled {
@@ -98,6 +113,7 @@ impl Handled {
             Self::Conflict { .. } => outcome::CONFLICT,
             Self::DeadLettered { .. } => outcome::DEAD_LETTERED,
             Self::Retrying { .. } => outcome::NAKED,
+            Self::Held { .. } => outcome::HELD,
         }
     }
 }
@@ -135,6 +151,8 @@ struct Incoming {
     /// terminated at the broker: the database alone records its outcome).
     message: Option<Message>,
     verified: Result<Envelope, String>,
+    /// Set when the envelope is of a newer version than this replica reads.
+    newer: Option<u32>,
     sequence: i64,
     delivered: i64,
 }
@@ -154,6 +172,8 @@ pub struct Consumer<C> {
     liveness: Liveness,
     /// Batch transactions failing (the database), one warning at the start and one at the end.
     batches: Arc<Outage>,
+    /// The newest envelope version held so far (its first message is logged).
+    newest_held: Arc<AtomicU32>,
 }
 
 impl<C: Crm + 'static> Consumer<C> {
@@ -183,6 +203,7 @@ impl<C: Crm + 'static> Consumer<C> {
             registry: Arc::new(registry),
             liveness: Liveness::default(),
             batches: Arc::new(Outage::new("consumer batch transactions")),
+            newest_held: Arc::default(),
         })
     }
 
@@ -239,7 +260,7 @@ impl<C: Crm + 'static> Consumer<C> {
                 crate::metrics::action_type(key)
             })
             .collect();
-        let outcomes = self.handle_verified(messages.into_iter().map(|m| verify(m, &self.subjects)).collect()).await;
+        let outcomes = self.handle_verified(messages.into_iter().map(|m| self.verify(m)).collect()).await;
         let mut counts: HashMap<(String, &'static str), u64> = HashMap::new();
         for (action, handled) in actions.into_iter().zip(&outcomes) {
             *counts.entry((action, handled.outcome())).or_default() += 1;
@@ -250,6 +271,25 @@ impl<C: Crm + 'static> Consumer<C> {
     }
 
     async fn handle_verified(&self, incoming: Vec<Incoming>) -> Vec<Handled> {
+        // Newer envelope versions wait for an upgraded replica; the rest are handled as a batch.
+        if incoming.iter().any(|m| m.newer.is_some()) {
+            let mut order = Vec::with_capacity(incoming.len());
+            let mut current = Vec::new();
+            for m in incoming {
+                match m.newer {
+                    Some(version) => {
+                        self.hold(&m, version).await;
+                        order.push(Some(Handled::Held { version }));
+                    }
+                    None => {
+                        current.push(m);
+                        order.push(None);
+                    }
+                }
+            }
+            let mut handled = Box::pin(self.handle_verified(current)).await.into_iter();
+            return order.into_iter().filter_map(|slot| slot.or_else(|| handled.next())).collect();
+        }
         if fire(&self.faults.stall_batch) {
             tracing::warn!(messages = incoming.len(), "injected stall: this batch hangs");
             std::future::pending::<()>().await;
@@ -297,6 +337,40 @@ impl<C: Crm + 'static> Consumer<C> {
                 self.after_failure(one, error).await
             }
         }
+    }
+
+    /// Verifies a delivered message: the envelope (see `Envelope::decode_up_to`), and that it arrived
+    /// on the subject of its own key's action type, so a publisher allowed only on one action's
+    /// subject cannot have another action's task created (and `--filter-subject` routing cannot be
+    /// bypassed). A newer envelope version is not an error: it is marked to be held.
+    fn verify(&self, message: Message) -> Incoming {
+        let (sequence, delivered) = position(&message);
+        let msg_id = message.headers.as_ref().and_then(|h| h.get(headers::MSG_ID)).map(|v| v.as_str().to_owned());
+        let decoded =
+            Envelope::decode_up_to(&message.payload, msg_id.as_deref(), self.settings.newest_envelope_version);
+        let newer = match &decoded {
+            Err(handoff_shared::EnvelopeError::NewerVersion { found, .. }) => Some(*found),
+            _ => None,
+        };
+        let verified = decoded
+            .map_err(|e| e.to_string())
+            .and_then(|env| on_its_subject(env, message.subject.as_str(), &self.subjects));
+        Incoming { message: Some(message), verified, newer, sequence, delivered }
+    }
+
+    /// Holds a message of a newer envelope version: a nak with [`ConsumerSettings::newer_version_delay`],
+    /// logged at the first such message of each version (the counter shows the rest).
+    async fn hold(&self, m: &Incoming, version: u32) {
+        let previous = self.newest_held.fetch_max(version, Ordering::Relaxed);
+        if version > previous {
+            tracing::warn!(
+                version,
+                reads_up_to = self.settings.newest_envelope_version,
+                delay_s = self.settings.newer_version_delay.as_secs(),
+                "messages of a newer envelope version are held, not dead-lettered, until this replica is upgraded"
+            );
+        }
+        settle(m.message.as_ref(), AckKind::Nak(Some(self.settings.newer_version_delay))).await;
     }
 
     /// A message that failed transiently: nak with backoff, or dead-letter once it has failed
@@ -470,15 +544,20 @@ impl<C: Crm + 'static> Consumer<C> {
         let mut incoming = Vec::new();
         let mut still_failing = Vec::new();
         for letter in letters {
-            let verified = Envelope::decode(&letter.body, letter.message_id.as_deref())
-                .map_err(|e| e.to_string())
-                .and_then(|env| on_its_subject(env, &letter.subject, &self.subjects));
+            let verified = Envelope::decode_up_to(
+                &letter.body,
+                letter.message_id.as_deref(),
+                self.settings.newest_envelope_version,
+            )
+            .map_err(|e| e.to_string())
+            .and_then(|env| on_its_subject(env, &letter.subject, &self.subjects));
             match verified {
                 Ok(envelope) => {
                     ids.push(letter.id);
                     incoming.push(Incoming {
                         message: None,
                         verified: Ok(envelope),
+                        newer: None,
                         sequence: letter.stream_sequence,
                         delivered: letter.deliveries,
                     });
@@ -511,6 +590,7 @@ impl<C: Crm + 'static> Consumer<C> {
                 Handled::Created { .. } | Handled::Accepted { .. } | Handled::Duplicate { .. } => AckKind::Ack,
                 Handled::Conflict { .. } | Handled::DeadLettered { .. } => AckKind::Term,
                 Handled::Retrying { .. } => AckKind::Nak(Some(self.settings.backoff.delay(m.delivered.max(1) as u32))),
+                Handled::Held { .. } => AckKind::Nak(Some(self.settings.newer_version_delay)),
             };
             settle(m.message.as_ref(), kind).await;
         }))
@@ -667,19 +747,12 @@ impl Readiness for ConsumerReadiness {
     }
 }
 
-/// Verifies a delivered message: the envelope (see `Envelope::decode`), and that it arrived on the
-/// subject of its own key's action type, so a publisher allowed only on one action's subject cannot
-/// have another action's task created (and `--filter-subject` routing cannot be bypassed).
-fn verify(message: Message, subjects: &handoff_shared::Subjects) -> Incoming {
-    let (sequence, delivered) = match message.info() {
+/// The stream position and delivery count of a delivered message.
+fn position(message: &Message) -> (i64, i64) {
+    match message.info() {
         Ok(info) => (info.stream_sequence as i64, info.delivered),
         Err(_) => (0, 1),
-    };
-    let msg_id = message.headers.as_ref().and_then(|h| h.get(headers::MSG_ID)).map(|v| v.as_str().to_owned());
-    let verified = Envelope::decode(&message.payload, msg_id.as_deref())
-        .map_err(|e| e.to_string())
-        .and_then(|env| on_its_subject(env, message.subject.as_str(), subjects));
-    Incoming { message: Some(message), verified, sequence, delivered }
+    }
 }
 
 /// The envelope, if `subject` is its key's subject; otherwise why not.
@@ -717,7 +790,7 @@ fn log_outcomes(incoming: &[Incoming], outcomes: &[Handled]) {
                     m.message.as_ref().and_then(|msg| msg.headers.as_ref()?.get(headers::MSG_ID)).map(|v| v.as_str());
                 tracing::warn!(sequence = m.sequence, message_id, "message dead-lettered");
             }
-            Handled::Retrying { .. } => {}
+            Handled::Retrying { .. } | Handled::Held { .. } => {}
         }
     }
 }

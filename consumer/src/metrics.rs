@@ -53,7 +53,9 @@ pub mod outcome {
     pub const CONFLICT: &str = "conflict";
     pub const DEAD_LETTERED: &str = "dead_lettered";
     pub const NAKED: &str = "naked";
-    pub const ALL: [&str; 6] = [CREATED, ACCEPTED, DUPLICATE, CONFLICT, DEAD_LETTERED, NAKED];
+    /// A newer envelope version than the replica reads, offered again later.
+    pub const HELD: &str = "held_newer_version";
+    pub const ALL: [&str; 7] = [CREATED, ACCEPTED, DUPLICATE, CONFLICT, DEAD_LETTERED, NAKED, HELD];
 }
 
 /// Process totals behind the progress line.
@@ -117,7 +119,7 @@ impl ConsumerMetrics {
         let m = metrics.clone();
         registry.register(
             "handoff_consumer_messages",
-            "Messages handled, by action type and outcome (created, accepted, duplicate, conflict, dead_lettered, naked)",
+            "Messages handled, by action type and outcome (created, accepted, duplicate, conflict, dead_lettered, naked, held_newer_version)",
             m.messages,
         );
         registry.register_with_unit(

@@ -106,6 +106,17 @@ pub struct RelayConfig {
     pub http_addr: HttpAddr,
     #[command(flatten)]
     pub observe: ObserveArgs,
+    /// Envelope version to write (handoffschema). Consumers hold versions newer than they read, so
+    /// relays may be upgraded first; set an older version only to keep old consumers reading.
+    #[arg(
+        long,
+        env = "HANDOFF_ENVELOPE_VERSION",
+        default_value_t = handoff_shared::envelope::SCHEMA_VERSION,
+        value_parser = clap::value_parser!(u32).range(
+            handoff_shared::envelope::OLDEST_SCHEMA_VERSION as i64..=handoff_shared::envelope::SCHEMA_VERSION as i64
+        )
+    )]
+    pub envelope_version: u32,
     /// CloudEvents source attribute of published events.
     #[arg(long, env = "HANDOFF_EVENT_SOURCE", default_value = "/handoff/relay")]
     pub event_source: String,
@@ -169,6 +180,7 @@ impl RelayConfig {
             stall_after: self.observe.stall_after(),
             sample_interval: self.observe.sample_interval(),
             migrate: self.migrate.mode,
+            envelope_version: self.envelope_version,
             reconcile: (self.reconcile_interval_secs > 0).then(|| ReconcileSettings {
                 interval: Duration::from_secs(self.reconcile_interval_secs),
                 lookback: Duration::from_secs(self.reconcile_lookback_secs),

@@ -93,6 +93,9 @@ pub struct RelaySettings {
     pub reconcile: Option<ReconcileSettings>,
     /// Apply pending migrations at startup, or refuse to start while the schema is behind.
     pub migrate: MigrateMode,
+    /// The envelope version to write (this build's newest by default; an older one while the
+    /// consumers are upgraded after the relays).
+    pub envelope_version: u32,
 }
 
 /// The relay's periodic reconciliation (see [`reconcile`]).
@@ -140,6 +143,7 @@ impl Default for RelaySettings {
             sample_interval: handoff_shared::observe::DEFAULT_SAMPLE_INTERVAL,
             reconcile: None,
             migrate: MigrateMode::Auto,
+            envelope_version: handoff_shared::envelope::SCHEMA_VERSION,
         }
     }
 }
@@ -571,7 +575,8 @@ impl Relay {
             time: row.recorded_at,
             traceparent,
         };
-        Ok((Outgoing { subject, key: row.operation_key.clone(), body: envelope.encode() }, computed_hash))
+        let body = envelope.encode_as(self.settings.envelope_version);
+        Ok((Outgoing { subject, key: row.operation_key.clone(), body }, computed_hash))
     }
 
     fn too_old(&self, created_at: DateTime<Utc>) -> bool {

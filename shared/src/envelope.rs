@@ -20,8 +20,12 @@ use serde_json::Value;
 
 use crate::{CanonicalPayload, KeyError, OperationKey, PayloadError, PayloadHash, TraceParent};
 
-/// Envelope schema version, in the `handoffschema` attribute. Bump on incompatible change.
+/// The newest envelope version this build writes and reads, in the `handoffschema` attribute. Bump
+/// on an incompatible change; a consumer holds (never dead-letters) a newer version it cannot read,
+/// so relays and consumers can be upgraded in either order.
 pub const SCHEMA_VERSION: u32 = 1;
+/// The oldest envelope version this build still reads.
+pub const OLDEST_SCHEMA_VERSION: u32 = 1;
 /// Longest approver id accepted.
 pub const MAX_APPROVER_LEN: usize = 200;
 
@@ -95,6 +99,10 @@ pub enum EnvelopeError {
     SpecVersion(String),
     #[error("unsupported handoff schema version {0}")]
     SchemaVersion(u32),
+    /// Written by a newer relay than this consumer: not a bad message, a consumer not upgraded yet.
+    /// The consumer holds it (a long nak) instead of dead-lettering it.
+    #[error("handoff schema version {found} is newer than this consumer reads ({newest}); held until it is upgraded")]
+    NewerVersion { found: u32, newest: u32 },
     #[error("event id is not an operation key: {0}")]
     BadKey(#[from] KeyError),
     #[error("event type {found:?} does not match the key (expected {expected:?})")]
@@ -140,8 +148,14 @@ pub fn event_type(key: &OperationKey) -> String {
 }
 
 impl Envelope {
-    /// The message body (structured-mode CloudEvents JSON).
+    /// The message body (structured-mode CloudEvents JSON), in this build's newest version.
     pub fn encode(&self) -> Bytes {
+        self.encode_as(SCHEMA_VERSION)
+    }
+
+    /// The message body in envelope version `version` (a relay told to write an older version
+    /// while consumers are upgraded after it).
+    pub fn encode_as(&self, version: u32) -> Bytes {
         let event = CloudEvent {
             specversion: "1.0".into(),
             id: self.key.to_string(),
@@ -152,7 +166,7 @@ impl Envelope {
             handoffhash: self.payload.hash().to_string(),
             handoffapprovedby: self.approval.approved_by.clone(),
             handoffapprovedat: self.approval.approved_at,
-            handoffschema: SCHEMA_VERSION,
+            handoffschema: version,
             traceparent: self.traceparent.map(|tp| tp.to_string()),
             data: self.payload.value().clone(),
         };
@@ -163,12 +177,22 @@ impl Envelope {
     /// Parses and verifies a message: body shape, key, `Nats-Msg-Id` (`msg_id`) equal to the key,
     /// and the payload hash recomputed from the data.
     pub fn decode(body: &[u8], msg_id: Option<&str>) -> Result<Self, EnvelopeError> {
+        Self::decode_up_to(body, msg_id, SCHEMA_VERSION)
+    }
+
+    /// [`Envelope::decode`] for a reader of versions up to `newest`. A newer version is
+    /// [`EnvelopeError::NewerVersion`]; every version up to `newest` has this version's fields (a
+    /// version adds attributes, it does not change these).
+    pub fn decode_up_to(body: &[u8], msg_id: Option<&str>, newest: u32) -> Result<Self, EnvelopeError> {
         let event: CloudEvent =
             serde_json::from_slice(body).map_err(|e| EnvelopeError::NotCloudEvent(e.to_string()))?;
         if event.specversion != "1.0" {
             return Err(EnvelopeError::SpecVersion(event.specversion));
         }
-        if event.handoffschema != SCHEMA_VERSION {
+        if event.handoffschema > newest {
+            return Err(EnvelopeError::NewerVersion { found: event.handoffschema, newest });
+        }
+        if event.handoffschema < OLDEST_SCHEMA_VERSION {
             return Err(EnvelopeError::SchemaVersion(event.handoffschema));
         }
         let key: OperationKey = event.id.parse()?;
@@ -268,6 +292,22 @@ mod tests {
             Envelope::decode(&serde_json::to_vec(&json).unwrap(), Some("harbor:create-followup:v1:case-104")),
             Err(EnvelopeError::TypeMismatch { .. })
         ));
+    }
+
+    #[test]
+    fn a_newer_version_is_told_apart_from_a_bad_one() {
+        let mut json: Value = serde_json::from_slice(&sample().encode()).unwrap();
+        json["handoffschema"] = (SCHEMA_VERSION + 1).into();
+        let body = serde_json::to_vec(&json).unwrap();
+        let key = Some("harbor:create-followup:v1:case-104");
+        assert_eq!(
+            Envelope::decode(&body, key),
+            Err(EnvelopeError::NewerVersion { found: SCHEMA_VERSION + 1, newest: SCHEMA_VERSION })
+        );
+        assert!(Envelope::decode_up_to(&body, key, SCHEMA_VERSION + 1).is_ok(), "an upgraded reader reads it");
+        json["handoffschema"] = 0.into();
+        let body = serde_json::to_vec(&json).unwrap();
+        assert_eq!(Envelope::decode(&body, key), Err(EnvelopeError::SchemaVersion(0)));
     }
 
     #[test]

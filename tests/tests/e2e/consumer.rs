@@ -350,3 +350,69 @@ async fn a_valid_message_on_another_action_types_subject_is_dead_lettered_and_cr
     let counts = env.consumer_counts().await.unwrap();
     assert_eq!((counts.tasks, counts.inbox, counts.dead_letters), (1, 1, 1));
 }
+
+#[tokio::test]
+async fn a_newer_envelope_version_waits_for_an_upgraded_consumer_and_is_never_dead_lettered() {
+    let env = TestEnv::start().await.unwrap();
+    let relay = env.relay(env.relay_settings()).await.unwrap();
+    let newest = handoff_shared::envelope::SCHEMA_VERSION;
+    // A replica one version behind the relay that wrote the second message.
+    let old = handoff_consumer::ConsumerSettings {
+        newest_envelope_version: newest,
+        newer_version_delay: Duration::from_secs(1),
+        ..env.consumer_settings()
+    };
+    let old = env.consumer(old).await.unwrap();
+    env.approve("case-1", SEED_TITLE).await.unwrap();
+    relay.publish_batch().await.unwrap();
+    let key: handoff_shared::OperationKey = "harbor:create-followup:v1:case-2".parse().unwrap();
+    let newer = handoff_shared::Envelope {
+        key: key.clone(),
+        payload: handoff_shared::CanonicalPayload::new(serde_json::json!({"case_id": "case-2"})).unwrap(),
+        approval: handoff_shared::Approval::new("user-17", chrono::Utc::now()).unwrap(),
+        source: "/newer-relay".into(),
+        time: chrono::Utc::now(),
+        traceparent: None,
+    };
+    let message = PublishMessage::build().payload(newer.encode_as(newest + 1)).message_id(key.as_str());
+    env.js.send_publish(env.subjects.for_key(&key), message).await.unwrap().await.unwrap();
+
+    let handled = eventually("both messages", Duration::from_secs(30), || async {
+        let handled = old.fetch_and_handle(Duration::from_secs(1)).await?;
+        Ok((handled.len() >= 2).then_some(handled))
+    })
+    .await
+    .unwrap();
+    assert!(matches!(handled[0], Handled::Created { .. }), "{handled:?}");
+    assert_eq!(handled[1], Handled::Held { version: newest + 1 });
+    let held = old
+        .metrics()
+        .messages
+        .get_or_create(&handoff_consumer::metrics::MessageLabels {
+            action: "harbor:create-followup".into(),
+            outcome: "held_newer_version",
+        })
+        .get();
+    assert_eq!(held, 1);
+    let counts = env.consumer_counts().await.unwrap();
+    assert_eq!((counts.tasks, counts.dead_letters), (1, 0), "held, not dead-lettered");
+    drop(old);
+
+    // The replica is upgraded: the held message is offered again and handled once.
+    let upgraded =
+        handoff_consumer::ConsumerSettings { newest_envelope_version: newest + 1, ..env.consumer_settings() };
+    let upgraded = env.consumer(upgraded).await.unwrap();
+    let handled = eventually("the held message", Duration::from_secs(30), || async {
+        let handled = upgraded.fetch_and_handle(Duration::from_secs(1)).await?;
+        Ok((!handled.is_empty()).then_some(handled))
+    })
+    .await
+    .unwrap();
+    assert!(
+        matches!(&handled[..], [Handled::Created { operation_key, .. }] if operation_key == key.as_str()),
+        "{handled:?}"
+    );
+    let counts = env.consumer_counts().await.unwrap();
+    assert_eq!((counts.tasks, counts.inbox, counts.dead_letters), (2, 2, 0));
+    assert_eq!(env.stream_messages().await.unwrap(), 2);
+}
