@@ -55,6 +55,19 @@ pub struct NatsArgs {
     pub connect_timeout_secs: u64,
 }
 
+/// Whether an IO error with kind `InvalidData` is in `error`'s source chain (how a TLS handshake
+/// failure, such as an untrusted certificate, reaches the NATS client's connect error).
+fn is_invalid_data(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut source = Some(error);
+    while let Some(cause) = source {
+        if cause.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::InvalidData) {
+            return true;
+        }
+        source = cause.source();
+    }
+    false
+}
+
 /// Credentials a NATS URL carried.
 #[derive(Clone)]
 enum UrlCredentials {
@@ -165,14 +178,17 @@ impl NatsArgs {
                 Err(error) => error,
             };
             let cause = crate::logging::error_chain(&error);
-            let hint = match error.kind() {
+            let kind = error.kind();
+            let hint = match kind {
                 Kind::AuthorizationViolation | Kind::Authentication => {
                     return Err(fail(
                         cause,
                         " (check --nats-user/--nats-password, --nats-token, --nats-nkey or --nats-creds)",
                     ));
                 }
-                Kind::Tls => {
+                // A certificate the client does not trust comes back as an IO error of kind
+                // InvalidData (the TLS library's error inside): as permanent as a refused login.
+                Kind::Tls | Kind::Io if kind == Kind::Tls || is_invalid_data(&error) => {
                     return Err(fail(
                         cause,
                         " (check --nats-tls-ca: it must sign the server's certificate; and --nats-tls-cert/--nats-tls-key)",

@@ -217,9 +217,19 @@ impl Nats {
         Self::start_with(args, Storage::Layer).await
     }
 
+    /// Starts the server with these arguments and the host directory `host_dir` mounted read-only
+    /// at `container_dir` (e.g. certificates for `--tls`).
+    pub async fn start_with_files(args: &[&str], host_dir: &str, container_dir: &str) -> Result<Self> {
+        Self::start_inner(args, Storage::Layer, Some((host_dir.to_owned(), container_dir.to_owned()))).await
+    }
+
     /// Starts the server with these arguments and its JetStream store (`/data`) where `storage`
     /// says.
     pub async fn start_with(args: &[&str], storage: Storage) -> Result<Self> {
+        Self::start_inner(args, storage, None).await
+    }
+
+    async fn start_inner(args: &[&str], storage: Storage, files: Option<(String, String)>) -> Result<Self> {
         let image_ref = image_from_env("HANDOFF_NATS_IMAGE", DEFAULT_NATS_IMAGE);
         let (name, tag) = split_image(&image_ref);
         let started = Instant::now();
@@ -235,9 +245,22 @@ impl Nats {
                 .with_cmd(args.iter().copied())
                 .with_mapped_port(port, NATS_PORT.tcp())
                 .with_startup_timeout(STARTUP_TIMEOUT)
-                .with_host_config_modifier(move |config| {
-                    config.mounts = storage.mounts(NATS_DATA);
-                    bind_to_loopback(config);
+                .with_host_config_modifier({
+                    let files = files.clone();
+                    move |config| {
+                        let mut mounts = storage.mounts(NATS_DATA).unwrap_or_default();
+                        if let Some((host, container)) = &files {
+                            mounts.push(Mount {
+                                source: Some(host.clone()),
+                                target: Some(container.clone()),
+                                typ: Some(MountType::BIND),
+                                read_only: Some(true),
+                                ..Default::default()
+                            });
+                        }
+                        config.mounts = (!mounts.is_empty()).then_some(mounts);
+                        bind_to_loopback(config);
+                    }
                 })
                 .start()
                 .await;

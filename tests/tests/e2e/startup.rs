@@ -88,3 +88,42 @@ async fn a_setting_that_would_stall_is_refused_at_startup_naming_it() {
     assert_eq!(out.code, Some(2), "{}", out.stderr);
     assert!(out.stderr.contains("--crm-lease-secs"), "{}", out.stderr);
 }
+
+#[tokio::test]
+async fn an_untrusted_server_certificate_ends_the_process_at_once_naming_the_tls_settings() {
+    let env = TestEnv::start().await.unwrap();
+    // A server certificate nobody signed: no client trusts it.
+    let dir = std::env::temp_dir().join(format!("handoff-tls-{}-{}", std::process::id(), env.stream));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cert = rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_owned(), "localhost".to_owned()]).unwrap();
+    std::fs::write(dir.join("server.pem"), cert.cert.pem()).unwrap();
+    std::fs::write(dir.join("server.key"), cert.signing_key.serialize_pem()).unwrap();
+    for file in ["server.pem", "server.key"] {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(dir.join(file), std::fs::Permissions::from_mode(0o644)).unwrap();
+    }
+    let args =
+        ["-js", "--store_dir", "/data", "--tls", "--tlscert", "/certs/server.pem", "--tlskey", "/certs/server.key"];
+    let nats = Nats::start_with_files(&args, dir.to_str().unwrap(), "/certs").await.unwrap();
+
+    let mut vars = env.service_env_for_relay();
+    vars.extend([
+        ("NATS_URL", format!("tls://127.0.0.1:{}", nats.port())),
+        ("HANDOFF_NATS_CONNECT_TIMEOUT_SECS", "30".to_owned()),
+    ]);
+    let started = Instant::now();
+    let out = run_binary("handoff-relay", &vars, &[], Duration::from_secs(60)).await.unwrap();
+    std::fs::remove_dir_all(&dir).ok();
+    assert_ne!(out.code, Some(0));
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "an untrusted certificate is not retried for the timeout: {}",
+        out.stderr
+    );
+    let last = out.stderr.lines().last().unwrap_or_default();
+    assert!(last.contains("cannot connect to NATS") && last.contains("--nats-tls-ca"), "{}", out.stderr);
+    assert!(
+        last.to_lowercase().contains("certificate") || last.contains("UnknownIssuer"),
+        "the cause is named: {last}"
+    );
+}
