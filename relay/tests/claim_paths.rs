@@ -120,7 +120,9 @@ async fn rows_left_pending_by_a_relay_from_before_the_upgrade_are_published_on_t
     .unwrap();
 
     let client = async_nats::connect(env.nats.url()).await.unwrap();
-    let relay = Relay::build(pool.clone(), client, env.stream_settings(), env.relay_settings()).await.unwrap();
+    // This relay is the upgrade: it migrates the old schema itself, as the owner.
+    let settings = RelaySettings { migrate: handoff_shared::migrate::MigrateMode::Auto, ..env.relay_settings() };
+    let relay = Relay::build(pool.clone(), client, env.stream_settings(), settings).await.unwrap();
     let retrying: Vec<i64> =
         sqlx::query_scalar("SELECT id FROM handoff.outbox WHERE retrying ORDER BY id").fetch_all(&pool).await.unwrap();
     assert_eq!(retrying, [2, 3]);

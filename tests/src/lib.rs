@@ -57,6 +57,7 @@ impl TestEnv {
         let consumer_db = pool(&postgres.fresh_database("consumer").await?).await?;
         handoff_relay::SCHEMA.migrate(&producer_db).await?;
         handoff_consumer::SCHEMA.migrate(&consumer_db).await?;
+        grant_roles(&producer_db, &consumer_db).await?;
         let client = async_nats::connect(nats.url()).await?;
         let js = async_nats::jetstream::new(client.clone());
         let id = format!("{:08x}", rand_u32());
@@ -105,6 +106,8 @@ impl TestEnv {
             backoff: Backoff { initial: Duration::ZERO, max: Duration::ZERO, multiplier: 2.0, jitter: 0.0 },
             max_attempts: 10,
             poll_interval: Duration::from_millis(100),
+            // Relays run as the least-privileged role, which cannot change the schema.
+            migrate: handoff_shared::migrate::MigrateMode::Never,
             ..RelaySettings::default()
         }
     }
@@ -119,28 +122,33 @@ impl TestEnv {
                 jitter: 0.0,
             },
             fetch_expires: Duration::from_secs(1),
+            // Replicas run as the least-privileged role, which cannot change the schema.
+            migrate: handoff_shared::migrate::MigrateMode::Never,
             ..ConsumerSettings::default()
         }
     }
 
-    /// A relay on its own connection pool and NATS connection, as a separate process would have.
+    /// A relay on its own connection pool and NATS connection, as a separate process would have,
+    /// logged in as the relay's runtime role ([`RELAY_ROLE`]).
     pub async fn relay(&self, settings: RelaySettings) -> Result<Relay> {
-        let pool = pool(&self.database_url(&self.producer_db)).await?;
+        let pool = pool(&self.relay_url()).await?;
         let client = async_nats::connect(self.nats.url()).await?;
         Relay::build(pool, client, self.stream_settings(), settings).await
     }
 
-    /// A consumer replica on its own pool and NATS connection.
+    /// A consumer replica on its own pool and NATS connection, logged in as the consumer's runtime
+    /// role ([`CONSUMER_ROLE`]).
     pub async fn consumer(&self, settings: ConsumerSettings) -> Result<Consumer<LocalCrm>> {
-        let pool = pool(&self.database_url(&self.consumer_db)).await?;
+        let pool = pool(&self.replica_url()).await?;
         let client = async_nats::connect(self.nats.url()).await?;
         Consumer::build(pool, client, &self.subscription(), LocalCrm, settings).await
     }
 
     /// Environment for the real binaries, matching this test's stream, prefix and durable.
-    fn service_env(&self, pool: &PgPool) -> Vec<(&'static str, String)> {
+    fn service_env(&self, url: String) -> Vec<(&'static str, String)> {
         vec![
-            ("DATABASE_URL", self.database_url(pool)),
+            ("DATABASE_URL", url),
+            ("HANDOFF_MIGRATE", "never".into()),
             ("NATS_URL", self.nats.url()),
             ("HANDOFF_STREAM", self.stream.clone()),
             ("HANDOFF_SUBJECT_PREFIX", self.subjects.prefix().to_owned()),
@@ -159,7 +167,7 @@ impl TestEnv {
 
     /// The environment the relay binary gets (for tests that spawn it themselves).
     pub fn service_env_for_relay(&self) -> Vec<(&'static str, String)> {
-        self.service_env(&self.producer_db)
+        self.service_env(self.relay_url())
     }
 
     /// Starts the real `handoff-relay` binary against this test's databases and stream, with its
@@ -170,7 +178,7 @@ impl TestEnv {
 
     /// Starts the real `handoff-relay` binary with extra settings (e.g. `HANDOFF_HTTP_ADDR`).
     pub fn relay_process_with(&self, extra: &[(&'static str, String)]) -> Result<ServiceProcess> {
-        let mut env = self.service_env(&self.producer_db);
+        let mut env = self.service_env(self.relay_url());
         env.extend(extra.iter().cloned());
         ServiceProcess::spawn("handoff-relay", &env)
     }
@@ -182,7 +190,7 @@ impl TestEnv {
 
     /// Starts one real `handoff-consumer` replica with extra settings (e.g. `HANDOFF_CRM=http`).
     pub fn consumer_process_with(&self, extra: &[(&'static str, String)]) -> Result<ServiceProcess> {
-        let mut env = self.service_env(&self.consumer_db);
+        let mut env = self.service_env(self.replica_url());
         env.extend(extra.iter().cloned());
         ServiceProcess::spawn("handoff-consumer", &env)
     }
@@ -191,8 +199,8 @@ impl TestEnv {
     /// durable consumer, to completion.
     pub async fn admin(&self, args: &[&str]) -> Result<process::CommandOutput> {
         let env = [
-            ("HANDOFF_PRODUCER_DATABASE_URL", self.producer_url()),
-            ("HANDOFF_CONSUMER_DATABASE_URL", self.consumer_url()),
+            ("HANDOFF_PRODUCER_DATABASE_URL", self.role_url(OPERATOR_ROLE, &self.producer_db)),
+            ("HANDOFF_CONSUMER_DATABASE_URL", self.role_url(OPERATOR_ROLE, &self.consumer_db)),
             ("NATS_URL", self.nats.url()),
             ("HANDOFF_STREAM", self.stream.clone()),
             ("HANDOFF_CONSUMER_NAME", "crm".to_owned()),
@@ -201,7 +209,26 @@ impl TestEnv {
         process::run_binary("handoff-admin", &env, args, Duration::from_secs(120)).await
     }
 
-    /// URL of the consumer's database (for extra pools and processes).
+    /// The producer database as the relay's runtime role.
+    pub fn relay_url(&self) -> String {
+        self.role_url(RELAY_ROLE, &self.producer_db)
+    }
+
+    /// The consumer database as a replica's runtime role.
+    pub fn replica_url(&self) -> String {
+        self.role_url(CONSUMER_ROLE, &self.consumer_db)
+    }
+
+    /// The producer database as the application's role (EXECUTE on the SQL contract only).
+    pub fn application_url(&self) -> String {
+        self.role_url(APPLICATION_ROLE, &self.producer_db)
+    }
+
+    fn role_url(&self, role: &str, pool: &PgPool) -> String {
+        self.database_url(pool).replacen("postgres@", &format!("{role}@"), 1)
+    }
+
+    /// URL of the consumer's database as the superuser (for extra pools and processes).
     pub fn consumer_url(&self) -> String {
         self.database_url(&self.consumer_db)
     }
@@ -290,6 +317,35 @@ impl TestEnv {
         .await?;
         Ok(())
     }
+}
+
+/// The login roles the suites run the services as, members of the group roles that
+/// `deploy/sql/*-roles.sql` create and grant (the test Postgres trusts every login).
+pub const RELAY_ROLE: &str = "test_relay";
+pub const CONSUMER_ROLE: &str = "test_consumer";
+pub const APPLICATION_ROLE: &str = "test_application";
+pub const OPERATOR_ROLE: &str = "test_operator";
+
+/// Applies the deploy/ role scripts as the schemas' owner, as an installation does after
+/// `migrate`, and creates the suites' login roles in those groups.
+pub async fn grant_roles(producer: &PgPool, consumer: &PgPool) -> Result<()> {
+    sqlx::raw_sql(include_str!("../../deploy/sql/producer-roles.sql")).execute(producer).await?;
+    sqlx::raw_sql(include_str!("../../deploy/sql/consumer-roles.sql")).execute(consumer).await?;
+    for (login, group) in [
+        (RELAY_ROLE, "handoff_relay_runtime"),
+        (CONSUMER_ROLE, "handoff_consumer_runtime"),
+        (APPLICATION_ROLE, "handoff_application"),
+        (OPERATOR_ROLE, "handoff_operator"),
+    ] {
+        // Roles are cluster-wide; each test has its own server, but two databases share it.
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "DO $$ BEGIN IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = '{login}') THEN \
+             CREATE ROLE {login} LOGIN IN ROLE {group}; END IF; END $$;"
+        )))
+        .execute(producer)
+        .await?;
+    }
+    Ok(())
 }
 
 /// Polls `check` until it returns `Some`, or fails after `timeout` saying what was awaited.

@@ -99,7 +99,7 @@ impl TestEnv {
 
     /// A consumer replica whose CRM is remote: intake writes ledger rows.
     pub async fn remote_consumer(&self) -> Result<Consumer<LedgerCrm>> {
-        let pool = sqlx::PgPool::connect(&self.consumer_url()).await?;
+        let pool = sqlx::PgPool::connect(&self.replica_url()).await?;
         let client = async_nats::connect(self.nats.url()).await?;
         Consumer::build(
             pool,
@@ -113,7 +113,7 @@ impl TestEnv {
 
     /// A dispatcher on its own pool, as another replica would have.
     pub async fn dispatcher(&self, crm: HttpCrmSettings, settings: DispatchSettings) -> Result<Dispatcher> {
-        let pool = sqlx::PgPool::connect(&self.consumer_url()).await?;
+        let pool = sqlx::PgPool::connect(&self.replica_url()).await?;
         Ok(Dispatcher::new(pool, HttpCrm::new(crm)?, settings))
     }
 

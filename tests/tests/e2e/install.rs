@@ -131,3 +131,54 @@ async fn an_install_whose_history_is_in_public_is_adopted_without_running_anythi
     assert_eq!(approvals, 1, "the recorded action survived: nothing ran twice");
     migrate("handoff-relay", &url).await.expect_code(0).unwrap();
 }
+
+fn sqlstate(error: &sqlx::Error) -> Option<String> {
+    error.as_database_error().and_then(|e| e.code()).map(|c| c.into_owned())
+}
+
+#[tokio::test]
+async fn the_services_run_as_least_privileged_roles_and_the_application_can_only_record() {
+    let env = TestEnv::start().await.unwrap();
+    let _relay = env.relay_process().unwrap();
+    let _consumer = env.consumer_process().unwrap();
+    // The application's role records through the SQL contract, and nothing else.
+    let app = PgPool::connect(&env.application_url()).await.unwrap();
+    sqlx::query("SELECT handoff.record_approved_action('harbor:create-followup:v1:case-1', '{\"case_id\": \"case-1\"}', 'user-17')")
+        .execute(&app)
+        .await
+        .unwrap();
+    for forbidden in [
+        "SELECT * FROM handoff.approved_action",
+        "UPDATE handoff.approved_action SET payload = '{\"case_id\": \"x\"}'",
+        "DELETE FROM handoff.outbox",
+        "INSERT INTO handoff.outbox (operation_key) VALUES ('harbor:create-followup:v1:case-1')",
+    ] {
+        let error = sqlx::query(forbidden).execute(&app).await.unwrap_err();
+        assert_eq!(sqlstate(&error).as_deref(), Some("42501"), "{forbidden}: {error}"); // insufficient_privilege
+    }
+    eventually("the task", WAIT, || async { Ok((env.tasks().await? == 1).then_some(())) }).await.unwrap();
+
+    // The running services are logged in as their runtime roles, which cannot change the schema.
+    let users: Vec<(String, String)> = sqlx::query_as(
+        "SELECT DISTINCT application_name, usename::text FROM pg_stat_activity
+          WHERE application_name IN ('handoff-relay', 'handoff-consumer') ORDER BY 1, 2",
+    )
+    .fetch_all(&env.producer_db)
+    .await
+    .unwrap();
+    assert_eq!(
+        users,
+        [
+            ("handoff-consumer".to_owned(), handoff_tests::CONSUMER_ROLE.to_owned()),
+            ("handoff-relay".to_owned(), handoff_tests::RELAY_ROLE.to_owned())
+        ]
+    );
+    let relay = PgPool::connect(&env.relay_url()).await.unwrap();
+    for forbidden in ["CREATE TABLE handoff.extra (id int)", "UPDATE handoff.approved_action SET approved_by = 'x'"] {
+        let error = sqlx::query(forbidden).execute(&relay).await.unwrap_err();
+        assert_eq!(sqlstate(&error).as_deref(), Some("42501"), "{forbidden}: {error}");
+    }
+    let replica = PgPool::connect(&env.replica_url()).await.unwrap();
+    let error = sqlx::query("DELETE FROM handoff_consumer.inbox").execute(&replica).await.unwrap_err();
+    assert_eq!(sqlstate(&error).as_deref(), Some("42501"), "{error}");
+}
