@@ -20,6 +20,7 @@ pub struct Status {
 
 #[derive(Debug, Clone, Serialize)]
 pub struct OutboxStatus {
+    /// Exact (`status` counts the whole outbox; the relay's sampled gauge estimates above 100,000).
     pub pending: i64,
     pub published: i64,
     pub blocked: i64,

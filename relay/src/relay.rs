@@ -741,6 +741,7 @@ impl Relay {
                         per_second = ((published - published_before) as f64 / seconds).round(),
                         failed_publishes = failures - failures_before,
                         pending = sample.pending,
+                        pending_estimated = sample.estimated,
                         oldest_pending_s = sample.oldest_pending_s.round(),
                         blocked = sample.blocked,
                         held_back = sample.held_back,
