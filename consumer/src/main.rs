@@ -7,7 +7,7 @@ use handoff_consumer::dispatcher::Dispatcher;
 use handoff_consumer::ledger::LedgerCrm;
 use handoff_consumer::remote::HttpCrm;
 use handoff_consumer::{Consumer, LocalCrm};
-use handoff_shared::config::{ServiceCommand, run_migrate};
+use handoff_shared::config::{ServiceCommand, run_healthcheck, run_migrate};
 use handoff_shared::observe::Endpoint;
 use tokio_util::sync::CancellationToken;
 
@@ -19,8 +19,14 @@ fn start() -> anyhow::Result<()> {
     let config = ConsumerConfig::parse();
     handoff_shared::config::init_tracing(config.log_format);
     let runtime = config.runtime.build()?;
-    if let Some(ServiceCommand::Migrate) = config.command {
-        return runtime.block_on(run_migrate(&config.database, &handoff_consumer::SCHEMA, "handoff-consumer"));
+    match &config.command {
+        Some(ServiceCommand::Migrate) => {
+            return runtime.block_on(run_migrate(&config.database, &handoff_consumer::SCHEMA, "handoff-consumer"));
+        }
+        Some(ServiceCommand::Healthcheck { path }) => {
+            return runtime.block_on(run_healthcheck(config.http_addr, path, "handoff-consumer"));
+        }
+        None => {}
     }
     config.validate()?;
     runtime.block_on(run(config))

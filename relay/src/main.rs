@@ -3,7 +3,7 @@
 use clap::Parser;
 use handoff_relay::Relay;
 use handoff_relay::config::RelayConfig;
-use handoff_shared::config::{ServiceCommand, run_migrate};
+use handoff_shared::config::{ServiceCommand, run_healthcheck, run_migrate};
 use handoff_shared::observe::Endpoint;
 use tokio_util::sync::CancellationToken;
 
@@ -15,8 +15,14 @@ fn start() -> anyhow::Result<()> {
     let config = RelayConfig::parse();
     handoff_shared::config::init_tracing(config.log_format);
     let runtime = config.runtime.build()?;
-    if let Some(ServiceCommand::Migrate) = config.command {
-        return runtime.block_on(run_migrate(&config.database, &handoff_relay::SCHEMA, "handoff-relay"));
+    match &config.command {
+        Some(ServiceCommand::Migrate) => {
+            return runtime.block_on(run_migrate(&config.database, &handoff_relay::SCHEMA, "handoff-relay"));
+        }
+        Some(ServiceCommand::Healthcheck { path }) => {
+            return runtime.block_on(run_healthcheck(config.http_addr, path, "handoff-relay"));
+        }
+        None => {}
     }
     runtime.block_on(run(config))
 }

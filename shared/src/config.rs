@@ -388,6 +388,22 @@ pub enum ServiceCommand {
     /// Apply pending migrations to this service's schema and exit (0 when the schema is current).
     /// Needs only the database settings.
     Migrate,
+    /// Ask this service's own endpoint (--http-addr) and exit 0 on 200, 1 otherwise: a container
+    /// healthcheck for images without a shell or curl.
+    Healthcheck {
+        /// The path to ask: /healthz (the loops are alive) or /readyz (dependencies reachable).
+        #[arg(long, default_value = "/healthz")]
+        path: String,
+    },
+}
+
+/// Runs `healthcheck` against the endpoint at `addr`; prints the answer.
+pub async fn run_healthcheck(addr: crate::observe::HttpAddr, path: &str, binary: &str) -> anyhow::Result<()> {
+    let addr = addr.0.ok_or_else(|| anyhow::anyhow!("the endpoint is off (--http-addr is empty): nothing to check"))?;
+    let status = crate::observe::probe(addr, path, Duration::from_secs(5)).await?;
+    anyhow::ensure!(status == 200, "{binary} {path}: {status}");
+    println!("{binary} {path}: 200");
+    Ok(())
 }
 
 /// Runs `migrate` for `schema` on the database `args` names: connects, migrates, prints what it did.

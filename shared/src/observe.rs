@@ -270,6 +270,35 @@ async fn readyz(State(endpoint): State<Endpoint>) -> Response {
     (status, axum::Json(checks)).into_response()
 }
 
+/// `GET path` on the endpoint at `addr` (an unspecified address such as `0.0.0.0` means this
+/// host): the status code. For the `healthcheck` subcommand, which container runtimes run inside
+/// images that hold nothing but the binary (no shell, no curl).
+pub async fn probe(addr: SocketAddr, path: &str, timeout: Duration) -> anyhow::Result<u16> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let target = if addr.ip().is_unspecified() {
+        SocketAddr::new(std::net::Ipv4Addr::LOCALHOST.into(), addr.port())
+    } else {
+        addr
+    };
+    let exchange = async {
+        let mut stream = tokio::net::TcpStream::connect(target).await?;
+        let request = format!("GET {path} HTTP/1.1\r\nHost: {target}\r\nConnection: close\r\n\r\n");
+        stream.write_all(request.as_bytes()).await?;
+        let mut head = [0u8; 64];
+        let read = stream.read(&mut head).await?;
+        anyhow::Ok(String::from_utf8_lossy(&head[..read]).into_owned())
+    };
+    let head = tokio::time::timeout(timeout, exchange)
+        .await
+        .map_err(|_| anyhow::anyhow!("{target}{path}: no answer within {timeout:?}"))?
+        .map_err(|e| e.context(format!("{target}{path}")))?;
+    // "HTTP/1.1 200 OK"
+    head.split(' ')
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("{target}{path}: not an HTTP answer"))
+}
+
 /// Standard histogram buckets for the durations of database statements, publishes and CRM calls,
 /// in seconds: 0.5 ms to about 16 s, doubling.
 pub fn duration_buckets() -> impl Iterator<Item = f64> {

@@ -287,3 +287,38 @@ async fn the_relays_periodic_reconciliation_exports_what_the_broker_lost() {
     assert_eq!(series(&text, "handoff_reconcile_mismatches{kind=\"sequence_reused\"}"), Some(0.0), "{text}");
     assert!(series(&text, "handoff_reconcile_runs_total").unwrap() >= 1.0, "{text}");
 }
+
+#[tokio::test]
+async fn the_healthcheck_subcommand_asks_the_running_service_and_exits_by_its_answer() {
+    let env = TestEnv::start().await.unwrap();
+    let addr = free_local_addr().unwrap();
+    let _relay = env.relay_process_with(&[("HANDOFF_HTTP_ADDR", addr.to_string())]).unwrap();
+    eventually("/readyz 200", Duration::from_secs(60), || async {
+        Ok((status(addr, "/readyz").await? == Some(200)).then_some(()))
+    })
+    .await
+    .unwrap();
+    // As a container healthcheck runs it: the service's own settings, the wildcard address.
+    let check = |http_addr: String, args: &'static [&'static str]| {
+        let database = env.relay_url();
+        async move {
+            handoff_tests::process::run_binary(
+                "handoff-relay",
+                &[("DATABASE_URL", database), ("HANDOFF_HTTP_ADDR", http_addr)],
+                args,
+                Duration::from_secs(30),
+            )
+            .await
+            .unwrap()
+        }
+    };
+    let wildcard = format!("0.0.0.0:{}", addr.port());
+    let ok = check(wildcard.clone(), &["healthcheck"]).await.expect_code(0).unwrap();
+    assert!(ok.stdout.contains("/healthz: 200"), "{}", ok.stdout);
+    check(wildcard, &["healthcheck", "--path", "/readyz"]).await.expect_code(0).unwrap();
+    let nobody = free_local_addr().unwrap().to_string();
+    let down = check(nobody, &["healthcheck"]).await.expect_code(1).unwrap();
+    assert!(down.stderr.lines().last().unwrap_or_default().contains("/healthz"), "{}", down.stderr);
+    let off = check(String::new(), &["healthcheck"]).await.expect_code(1).unwrap();
+    assert!(off.stderr.contains("the endpoint is off"), "{}", off.stderr);
+}
