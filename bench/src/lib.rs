@@ -80,8 +80,8 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 1_000)]
     pub rtt_samples: usize,
     /// Backlog sizes at which the claim is timed and explained (ascending; empty to skip).
-    #[arg(long, value_delimiter = ',', default_value = "10000,100000,1000000")]
-    pub plan_backlogs: Vec<i64>,
+    #[arg(long, default_value = "10000,100000,1000000", value_parser = parse_backlogs)]
+    pub plan_backlogs: Backlogs,
     /// Broker profiles: `default` (sync_interval 2 min) and `durable` (sync_interval always;
     /// headline rows only).
     #[arg(long, value_delimiter = ',', default_value = "default,durable")]
@@ -128,6 +128,22 @@ pub struct BenchArgs {
     pub json: PathBuf,
 }
 
+/// The backlog sizes of `--plan-backlogs`: a comma-separated list, or empty (`""`) for none.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Backlogs(pub Vec<i64>);
+
+fn parse_backlogs(s: &str) -> Result<Backlogs, String> {
+    s.split(',')
+        .map(str::trim)
+        .filter(|part| !part.is_empty())
+        .map(|part| match part.parse::<i64>() {
+            Ok(n) if n > 0 => Ok(n),
+            _ => Err(format!("{part:?} is not a backlog size (a whole number above 0)")),
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(Backlogs)
+}
+
 impl BenchArgs {
     fn runs_section(&self, section: &str) -> bool {
         self.only.iter().any(|s| s == section)
@@ -144,7 +160,7 @@ impl BenchArgs {
             self.loads = vec![0.1, 0.5];
             self.load_secs = 2.0;
             self.rtt_samples = 200;
-            self.plan_backlogs = vec![10_000];
+            self.plan_backlogs = Backlogs(vec![10_000]);
             self.crm_in_flight = vec![4, 16];
             self.crm_replicas = vec![1];
             self.reconcile_rows = 5_000;
@@ -188,10 +204,10 @@ pub async fn run(args: BenchArgs) -> Result<Report> {
         if full && args.runs_section("reconcile") {
             reconcile_rows(&mut world, &args, &mut report).await?;
         }
-        if full && !args.plan_backlogs.is_empty() && args.runs_section("plans") {
-            eprintln!("== claim cost at backlogs {:?}", args.plan_backlogs);
+        if full && !args.plan_backlogs.0.is_empty() && args.runs_section("plans") {
+            eprintln!("== claim cost at backlogs {:?}", args.plan_backlogs.0);
             let batch = handoff_relay::RelaySettings::default().batch_size;
-            report.plans = plans::claim_cost(&world, &args.plan_backlogs, batch).await?;
+            report.plans = plans::claim_cost(&world, &args.plan_backlogs.0, batch).await?;
         }
         if full && args.soak > 0 {
             eprintln!(
@@ -849,4 +865,21 @@ fn settings(args: &BenchArgs) -> BTreeMap<String, Value> {
     s.insert("consumer_batch_size".into(), json!(handoff_consumer::ConsumerSettings::default().batch_size));
     s.insert("crm_latency_ms".into(), json!(args.crm_latency_ms));
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[test]
+    fn an_empty_plan_backlogs_skips_the_plans_and_a_list_is_read() {
+        let args = BenchArgs::try_parse_from(["handoff-bench", "--plan-backlogs", ""]).unwrap();
+        assert!(args.plan_backlogs.0.is_empty());
+        let args = BenchArgs::try_parse_from(["handoff-bench", "--plan-backlogs", "10000, 200000"]).unwrap();
+        assert_eq!(args.plan_backlogs.0, [10_000, 200_000]);
+        assert_eq!(BenchArgs::try_parse_from(["handoff-bench"]).unwrap().plan_backlogs.0, [10_000, 100_000, 1_000_000]);
+        assert!(BenchArgs::try_parse_from(["handoff-bench", "--plan-backlogs", "ten"]).is_err());
+    }
 }
