@@ -281,6 +281,19 @@ impl TestEnv {
         Ok(())
     }
 
+    /// Puts a task for `key` with other content (a zero hash) in the local CRM store before the
+    /// action arrives: the consumer must record a conflict, never a second task.
+    pub async fn seed_task_with_other_content(&self, key: &str) -> Result<()> {
+        sqlx::query(
+            "INSERT INTO handoff_consumer.crm_task (operation_key, payload_hash, payload, approved_by)
+             VALUES ($1, repeat('0', 64), '{\"title\": \"different preexisting content\"}', 'someone-else')",
+        )
+        .bind(key)
+        .execute(&self.consumer_db)
+        .await?;
+        Ok(())
+    }
+
     /// Approved actions recorded.
     pub async fn approvals(&self) -> Result<i64> {
         Ok(sqlx::query_scalar("SELECT count(*) FROM handoff.approved_action").fetch_one(&self.producer_db).await?)

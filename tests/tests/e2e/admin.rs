@@ -37,14 +37,7 @@ async fn explain_tells_every_local_end_state_and_status_counts_them() {
     assert!(relay.publish_batch().await.is_err());
     assert_eq!(relay.publish_batch().await.unwrap().duplicates, 1);
     // case-3 meets a CRM that already holds other content for its key: a conflict.
-    sqlx::query(
-        "INSERT INTO handoff_consumer.crm_task (operation_key, payload_hash, payload, approved_by)
-         VALUES ($1, repeat('0', 64), '{\"case_id\": \"case-3\"}', 'someone-else')",
-    )
-    .bind(key("case-3"))
-    .execute(&env.consumer_db)
-    .await
-    .unwrap();
+    env.seed_task_with_other_content(&key("case-3")).await.unwrap();
     env.approve("case-3", SEED_TITLE).await.unwrap();
     relay.publish_batch().await.unwrap();
     // case-4 was never approved: a malformed message under its key is dead-lettered.
@@ -329,14 +322,7 @@ async fn a_conflict_is_listed_shown_and_resolved_with_an_audit_row() {
     let env = TestEnv::start().await.unwrap();
     let relay = env.relay(env.relay_settings()).await.unwrap();
     let consumer = env.consumer(env.consumer_settings()).await.unwrap();
-    sqlx::query(
-        "INSERT INTO handoff_consumer.crm_task (operation_key, payload_hash, payload, approved_by)
-         VALUES ($1, repeat('0', 64), '{\"case_id\": \"case-1\"}', 'someone-else')",
-    )
-    .bind(key("case-1"))
-    .execute(&env.consumer_db)
-    .await
-    .unwrap();
+    env.seed_task_with_other_content(&key("case-1")).await.unwrap();
     env.approve("case-1", SEED_TITLE).await.unwrap();
     relay.publish_batch().await.unwrap();
     consumer.fetch_and_handle(WAIT).await.unwrap();

@@ -60,13 +60,7 @@ async fn a_crm_store_holding_different_content_for_the_key_records_a_conflict_an
     let env = TestEnv::start().await.unwrap();
     let relay = env.relay(env.relay_settings()).await.unwrap();
     let consumer = env.consumer(env.consumer_settings()).await.unwrap();
-    sqlx::query(
-        "INSERT INTO handoff_consumer.crm_task (operation_key, payload_hash, payload, approved_by)
-         VALUES ('harbor:create-followup:v1:case-104', repeat('0', 64), '{\"title\":\"different preexisting content\"}', 'someone')",
-    )
-    .execute(&env.consumer_db)
-    .await
-    .unwrap();
+    env.seed_task_with_other_content("harbor:create-followup:v1:case-104").await.unwrap();
     env.approve("case-104", SEED_TITLE).await.unwrap();
     relay.publish_batch().await.unwrap();
 

@@ -59,6 +59,15 @@ async fn metrics(addr: SocketAddr) -> anyhow::Result<String> {
     Ok(body)
 }
 
+/// Waits until the endpoint at `addr` answers `/readyz` with 200 (`what` says which wait it is).
+async fn until_ready(addr: SocketAddr, what: &str) {
+    eventually(what, Duration::from_secs(60), || async {
+        Ok((status(addr, "/readyz").await? == Some(200)).then_some(()))
+    })
+    .await
+    .unwrap();
+}
+
 /// Waits until the series in the endpoint at `addr` has `value`.
 async fn series_reaches(addr: SocketAddr, name: &str, value: f64) -> anyhow::Result<()> {
     eventually(&format!("{name} == {value}"), Duration::from_secs(120), || async {
@@ -84,11 +93,7 @@ async fn metrics_of_running_binaries_show_a_backlog_rise_and_drain_to_zero() {
     let _relay = env.relay_process_with(&fast(relay_addr)).unwrap();
     let _consumer = env.consumer_process_with(&fast(consumer_addr)).unwrap();
     for addr in [relay_addr, consumer_addr] {
-        eventually("/readyz 200", Duration::from_secs(60), || async {
-            Ok((status(addr, "/readyz").await? == Some(200)).then_some(()))
-        })
-        .await
-        .unwrap();
+        until_ready(addr, "/readyz 200").await;
         assert_eq!(status(addr, "/healthz").await.unwrap(), Some(200));
     }
     // An open write transaction holds every row committed after it back: a backlog that stays.
@@ -134,11 +139,7 @@ async fn readyz_is_503_while_the_database_is_unreachable_and_200_after() {
     let env = TestEnv::start().await.unwrap();
     let addr = free_local_addr().unwrap();
     let _relay = env.relay_process_with(&[("HANDOFF_HTTP_ADDR", addr.to_string())]).unwrap();
-    eventually("/readyz 200", Duration::from_secs(60), || async {
-        Ok((status(addr, "/readyz").await? == Some(200)).then_some(()))
-    })
-    .await
-    .unwrap();
+    until_ready(addr, "/readyz 200").await;
 
     // A paused container answers nothing: connections hang, as behind a dead network path.
     env.postgres.container().pause().await.unwrap();
@@ -148,11 +149,7 @@ async fn readyz_is_503_while_the_database_is_unreachable_and_200_after() {
     assert!(body.contains("\"name\":\"database\",\"ok\":false"), "{body}");
     assert!(body.contains("\"name\":\"nats\",\"ok\":true"), "{body}");
 
-    eventually("/readyz 200 again", Duration::from_secs(60), || async {
-        Ok((status(addr, "/readyz").await? == Some(200)).then_some(()))
-    })
-    .await
-    .unwrap();
+    until_ready(addr, "/readyz 200 again").await;
     env.approve("case-1", "after the outage").await.unwrap();
     eventually("published", Duration::from_secs(60), || async {
         Ok((env.outbox().await?.published == 1).then_some(()))
@@ -293,11 +290,7 @@ async fn the_healthcheck_subcommand_asks_the_running_service_and_exits_by_its_an
     let env = TestEnv::start().await.unwrap();
     let addr = free_local_addr().unwrap();
     let _relay = env.relay_process_with(&[("HANDOFF_HTTP_ADDR", addr.to_string())]).unwrap();
-    eventually("/readyz 200", Duration::from_secs(60), || async {
-        Ok((status(addr, "/readyz").await? == Some(200)).then_some(()))
-    })
-    .await
-    .unwrap();
+    until_ready(addr, "/readyz 200").await;
     // As a container healthcheck runs it: the service's own settings, the wildcard address.
     let check = |http_addr: String, args: &'static [&'static str]| {
         let database = env.relay_url();
