@@ -9,6 +9,7 @@
 //! * [`queue`]: the queues (`list`, `export`; `blocked`, `conflicts`, `dead-letter`), resolved with
 //!   `resolve`, `approve-retry`, `blocked unblock`, `conflicts resolve`, `dead-letter replay`.
 //! * `pause` / `resume` of an action type, at the relays and at the dispatchers.
+//! * `keygen`: a new message signing key pair (see [`handoff_shared::signing`]).
 
 pub mod connect;
 pub mod explain;
@@ -22,6 +23,8 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 use handoff_relay::reconcile::Scope;
 use handoff_shared::config::NatsArgs;
+use handoff_shared::signing::{KeyId, SigningKey};
+use std::path::PathBuf;
 
 use crate::connect::{Connections, jetstream};
 use crate::queue::Queue;
@@ -142,6 +145,27 @@ pub enum Command {
         #[arg(long)]
         reason: String,
     },
+    /// Write a new message signing key pair (HMAC-SHA256: both files hold the same secret, so
+    /// both are secrets). Existing files are never overwritten. Needs no connection.
+    Keygen {
+        /// Where the relays' signing key goes (HANDOFF_SIGNING_KEY_FILE).
+        #[arg(long, value_name = "FILE")]
+        signing_key: PathBuf,
+        /// Where the consumers' verify key goes (one of HANDOFF_VERIFY_KEY_FILES).
+        #[arg(long, value_name = "FILE")]
+        verify_key: PathBuf,
+        /// The key's id in every signed message (default: a fingerprint of the secret).
+        #[arg(long, value_parser = parse_key_id)]
+        key_id: Option<KeyId>,
+        /// When both files already hold the same valid key, keep it and exit 0 (for a one-shot
+        /// that runs at every deployment); one file without the other is still an error.
+        #[arg(long)]
+        keep_existing: bool,
+    },
+}
+
+fn parse_key_id(s: &str) -> Result<KeyId, String> {
+    KeyId::new(s).map_err(|e| e.to_string())
 }
 
 #[derive(Debug, Subcommand)]
@@ -199,6 +223,40 @@ pub enum DeadLetterCommand {
 pub async fn run(cli: Cli) -> Result<ExitCode> {
     let c = &cli.connections;
     match cli.command {
+        Command::Keygen { signing_key, verify_key, key_id, keep_existing } => {
+            anyhow::ensure!(signing_key != verify_key, "--signing-key and --verify-key must be two files");
+            if keep_existing && (signing_key.exists() || verify_key.exists()) {
+                let (signing, verify) = (SigningKey::read(&signing_key)?, SigningKey::read(&verify_key)?);
+                anyhow::ensure!(
+                    signing == verify,
+                    "{} and {} hold different keys ({} and {})",
+                    signing_key.display(),
+                    verify_key.display(),
+                    signing.id(),
+                    verify.id()
+                );
+                println!(
+                    "key {}: kept the existing pair in {} and {}",
+                    signing.id(),
+                    signing_key.display(),
+                    verify_key.display()
+                );
+                return Ok(ExitCode::SUCCESS);
+            }
+            let key = SigningKey::generate(key_id)?;
+            key.write(&signing_key, "signing")?;
+            if let Err(error) = key.write(&verify_key, "verify") {
+                // Leave nothing half made: a signing key without its verify key is useless.
+                let _ = std::fs::remove_file(&signing_key);
+                return Err(error.into());
+            }
+            println!(
+                "key {}: signing key in {}, verify key in {} (both secret, mode 0600)",
+                key.id(),
+                signing_key.display(),
+                verify_key.display()
+            );
+        }
         Command::Status { nats, no_stream } => {
             let (producer, consumer) = (c.producer_if_given().await?, c.consumer_if_given().await?);
             let js = if no_stream { None } else { Some(jetstream(&nats).await?) };

@@ -26,6 +26,7 @@ use futures::StreamExt;
 use futures::future::join_all;
 use futures::stream::FuturesUnordered;
 use handoff_relay::StreamSettings;
+use handoff_shared::signing::SigningKey;
 use handoff_shared::{Subjects, headers};
 use sqlx::PgPool;
 use tokio::task::JoinSet;
@@ -56,8 +57,8 @@ pub fn stream_settings(name: &str, subjects: &Subjects) -> StreamSettings {
 }
 
 /// `n` encoded envelopes of `batch`, made before any clock starts.
-pub fn envelopes(batch: &str, n: i64) -> Result<Vec<(String, Bytes)>> {
-    (1..=n).map(|i| workload::envelope(batch, i)).collect()
+pub fn envelopes(batch: &str, n: i64, signing: &SigningKey) -> Result<Vec<(String, Bytes)>> {
+    (1..=n).map(|i| workload::envelope(batch, i, signing)).collect()
 }
 
 /// A stream filled with envelopes, which the consumer measurements read from.
@@ -415,7 +416,7 @@ pub async fn round_trip(world: &mut World, samples: usize) -> Result<Vec<f64>> {
         .await?;
     let mut messages = consumer.stream().max_messages_per_batch(100).messages().await?;
     let subject = format!("{}.bench.create-followup", subjects.prefix());
-    let (key, body) = workload::envelope("rtt", 1)?;
+    let (key, body) = workload::envelope("rtt", 1, &world.keys.signing)?;
     let mut millis = Vec::with_capacity(samples);
     for i in 0..samples {
         let publish = PublishMessage::build().payload(body.clone()).message_id(format!("{key}-{i}"));

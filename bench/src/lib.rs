@@ -16,6 +16,7 @@ pub mod measure;
 pub mod plans;
 pub mod reconcile;
 pub mod report;
+pub mod signing;
 pub mod soak;
 pub mod system;
 pub mod workload;
@@ -114,10 +115,10 @@ pub struct BenchArgs {
     /// Published (and received) rows `handoff-admin reconcile` checks in the reconcile section.
     #[arg(long, default_value_t = 1_000_000)]
     pub reconcile_rows: i64,
-    /// Sections to run: ceilings, relay, consumer, remote, e2e, plans, reconcile (the publish ceiling always
-    /// runs: the consumer measurements read its stream). `remote` runs in the first profile only:
-    /// the broker's fsync setting does not bear on it.
-    #[arg(long, value_delimiter = ',', default_value = "ceilings,relay,consumer,remote,e2e,plans,reconcile")]
+    /// Sections to run: ceilings, relay, consumer, remote, e2e, plans, reconcile, signing (the publish
+    /// ceiling always runs: the consumer measurements read its stream). `remote` and `signing` run in
+    /// the first profile only: the broker's fsync setting does not bear on them.
+    #[arg(long, value_delimiter = ',', default_value = "ceilings,relay,consumer,remote,e2e,plans,reconcile,signing")]
     pub only: Vec<String>,
     /// Run the producer's and the consumer's databases on one Postgres server. By default the
     /// pipelines give the consumer its own server, as `deploy/compose.yaml` does.
@@ -201,6 +202,9 @@ pub async fn run(args: BenchArgs) -> Result<Report> {
         let full = i == 0;
         eprintln!("== profile {} ({})", profile.name(), if full { "all rows" } else { "headline rows" });
         profile_rows(&mut world, &args, full, &mut report).await?;
+        if full && args.runs_section("signing") {
+            signing_rows(&world, &args, &mut report)?;
+        }
         if full && args.runs_section("reconcile") {
             reconcile_rows(&mut world, &args, &mut report).await?;
         }
@@ -280,6 +284,67 @@ async fn reconcile_rows(world: &mut World, args: &BenchArgs, report: &mut Report
     reconcile::drop_filled(world, filled).await
 }
 
+/// What signing costs per message: encoding signed against unsigned (the relay's side), opening
+/// with verification against opening without (the consumer's side), on one core in this process.
+fn signing_rows(world: &World, args: &BenchArgs, report: &mut Report) -> Result<()> {
+    let n = signing::MESSAGES;
+    eprintln!("-- signing ({n} envelopes, in process)");
+    let envelopes = signing::envelopes(n)?;
+    let key = &world.keys.signing;
+    let policy = handoff_shared::signing::SignaturePolicy::new([key.clone()], false)?;
+    let unchecked = handoff_shared::signing::SignaturePolicy::unchecked();
+    let (mut unsigned, mut signed, mut plain_open, mut verified_open) = (vec![], vec![], vec![], vec![]);
+    for _ in 0..args.runs {
+        let (sample, unsigned_bodies) = signing::encode(&envelopes, None);
+        unsigned.push(sample);
+        let (sample, bodies) = signing::encode(&envelopes, Some(key));
+        signed.push(sample);
+        plain_open.push(signing::open(&envelopes, &unsigned_bodies, &unchecked)?);
+        verified_open.push(signing::open(&envelopes, &bodies, &policy)?);
+    }
+    let us_per_message =
+        |s: &[Sample]| Stats::of(s.iter().map(|s| s.elapsed.as_secs_f64() * 1e6 / s.items as f64).collect()).median;
+    let p = world.profile;
+    let encode_ceiling = throughput_row(
+        p,
+        "ceiling",
+        "encode_unsigned",
+        "ceiling: encode envelopes, unsigned".into(),
+        "msg/s",
+        &unsigned,
+    );
+    let mut encode = throughput_row(
+        p,
+        "signing",
+        "encode_signed",
+        "relay: encode and sign envelopes (HMAC-SHA256)".into(),
+        "msg/s",
+        &signed,
+    )
+    .against(&encode_ceiling);
+    encode.check("sign_us_per_message", us_per_message(&signed) - us_per_message(&unsigned));
+    let open_ceiling = throughput_row(
+        p,
+        "ceiling",
+        "open_unchecked",
+        "ceiling: open envelopes, no signature check".into(),
+        "msg/s",
+        &plain_open,
+    );
+    let mut open = throughput_row(
+        p,
+        "signing",
+        "open_verified",
+        "consumer: open envelopes and verify signatures".into(),
+        "msg/s",
+        &verified_open,
+    )
+    .against(&open_ceiling);
+    open.check("verify_us_per_message", us_per_message(&verified_open) - us_per_message(&plain_open));
+    report.rows.extend([encode_ceiling, encode, open_ceiling, open]);
+    Ok(())
+}
+
 /// Repeats `measure` `runs` times.
 async fn repeat<T>(runs: usize, what: &str, mut measure: impl AsyncFnMut() -> Result<T>) -> Result<Vec<T>> {
     let mut out = Vec::with_capacity(runs);
@@ -316,7 +381,7 @@ async fn profile_rows(world: &mut World, args: &BenchArgs, full: bool, report: &
 
     // --- ceilings
     eprintln!("-- ceilings ({n} items)");
-    let messages = ceilings::envelopes("c", n)?;
+    let messages = ceilings::envelopes("c", n, &world.keys.signing)?;
     let mut source: Option<FilledStream> = None;
     let publish = repeat(runs, "publish ceiling", async || {
         if let Some(old) = source.take() {
@@ -639,7 +704,7 @@ async fn remote_rows(world: &mut World, args: &BenchArgs, report: &mut Report) -
             if callers > 1 {
                 report.rows.push(ceiling.clone());
             }
-            let messages = ceilings::envelopes("rm", items)?;
+            let messages = ceilings::envelopes("rm", items, &world.keys.signing)?;
             let (_, source) = ceilings::publish(world, &messages).await?;
             drop(messages);
             let mut checks = Vec::new();

@@ -14,6 +14,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Result, ensure};
 use bytes::Bytes;
 use chrono::Utc;
+use handoff_shared::envelope::SCHEMA_VERSION;
+use handoff_shared::signing::SigningKey;
 use handoff_shared::{Approval, CanonicalPayload, Envelope, OperationKey};
 use sqlx::PgPool;
 
@@ -70,19 +72,24 @@ pub async fn check_sql_hash(pool: &PgPool) -> Result<()> {
     Ok(())
 }
 
-/// The envelope the relay publishes for action `i` of `batch`, encoded.
-pub fn envelope(batch: &str, i: i64) -> Result<(String, Bytes)> {
+/// The envelope the relay publishes for action `i` of `batch`, encoded and signed with `signing`.
+pub fn envelope(batch: &str, i: i64, signing: &SigningKey) -> Result<(String, Bytes)> {
+    let envelope = envelope_value(batch, i)?;
+    Ok((envelope.key.to_string(), envelope.encode_signed(SCHEMA_VERSION, Some(signing))))
+}
+
+/// The envelope of action `i` of `batch`.
+pub fn envelope_value(batch: &str, i: i64) -> Result<Envelope> {
     let key: OperationKey = key(batch, i).parse()?;
     let now = Utc::now();
-    let envelope = Envelope {
-        key: key.clone(),
+    Ok(Envelope {
+        key,
         payload: CanonicalPayload::new(payload(i))?,
         approval: Approval::new("user-17", now)?,
         source: "/handoff/bench".into(),
         time: now,
         traceparent: None,
-    };
-    Ok((key.to_string(), envelope.encode()))
+    })
 }
 
 /// An application recording actions at `rate` per second for `duration`, one transaction every

@@ -81,8 +81,11 @@ pub struct World {
     /// Extra environment for every relay / consumer process (`--relay-env`, `--consumer-env`).
     pub relay_extra: Vec<(String, String)>,
     pub consumer_extra: Vec<(String, String)>,
+    /// The key every relay signs with and every consumer verifies (in files for the processes).
+    pub keys: handoff_testkit::Keys,
     counter: u32,
 }
+
 
 impl World {
     /// Starts the Postgres servers (one if `shared_postgres`) and a NATS server for `profile`.
@@ -106,6 +109,7 @@ impl World {
             js,
             relay_extra: Vec::new(),
             consumer_extra: Vec::new(),
+            keys: handoff_testkit::Keys::generate()?,
             counter: 0,
         })
     }
@@ -231,6 +235,9 @@ impl World {
             // Several processes on one host: the endpoint is off unless a row turns it on
             // (`--relay-env HANDOFF_HTTP_ADDR=...`).
             ("HANDOFF_HTTP_ADDR", String::new()),
+            // Signed as deployed (the signature's own cost is the signing section's row).
+            ("HANDOFF_SIGNING_KEY_FILE", self.keys.signing_file.display().to_string()),
+            ("HANDOFF_VERIFY_KEY_FILES", self.keys.verify_file.display().to_string()),
             ("RUST_LOG", log),
         ]
         .into_iter()

@@ -1,12 +1,16 @@
 //! Every setting of `handoff-consumer`, as a flag and an environment variable (`handoff-consumer --help`).
 
+use std::path::PathBuf;
 use std::time::Duration;
+
+use anyhow::Context;
 
 use handoff_shared::Backoff;
 use handoff_shared::config::{
     DatabaseArgs, LogFormat, MigrateArgs, NatsArgs, ObserveArgs, RuntimeArgs, ServiceCommand,
 };
 use handoff_shared::observe::HttpAddr;
+use handoff_shared::signing::SignaturePolicy;
 use handoff_shared::subject::Subjects;
 
 use crate::dispatcher::DispatchSettings;
@@ -92,6 +96,14 @@ pub struct ConsumerConfig {
         value_parser = clap::value_parser!(u64).range(1..=86_400)
     )]
     pub newer_version_delay_secs: u64,
+    /// Files of the keys whose signatures are accepted, comma-separated (during a key rotation the
+    /// old and the new). Required unless --allow-unsigned.
+    #[arg(long, env = "HANDOFF_VERIFY_KEY_FILES", value_name = "FILES", value_delimiter = ',')]
+    pub verify_key_files: Vec<PathBuf>,
+    /// Also accept unsigned messages, only while the relays are moved to signing (signed messages
+    /// are still verified); counted in handoff_consumer_unsigned_messages_total.
+    #[arg(long, env = "HANDOFF_ALLOW_UNSIGNED", default_value_t = false)]
+    pub allow_unsigned: bool,
     #[command(flatten)]
     pub crm: CrmArgs,
     /// With --crm http: verify and record intake (inbox and ledger rows) and acknowledge, but never
@@ -309,9 +321,22 @@ impl ConsumerConfig {
         })
     }
 
-    /// The processing settings these flags describe.
-    pub fn settings(&self) -> ConsumerSettings {
-        ConsumerSettings {
+    /// The signature policy: the verify keys read from their files, and whether unsigned
+    /// messages are accepted. Neither keys nor --allow-unsigned is refused.
+    pub fn signatures(&self) -> anyhow::Result<SignaturePolicy> {
+        let files: Vec<PathBuf> = self.verify_key_files.iter().filter(|p| !p.as_os_str().is_empty()).cloned().collect();
+        anyhow::ensure!(
+            !files.is_empty() || self.allow_unsigned,
+            "no verify key: set --verify-key-files (HANDOFF_VERIFY_KEY_FILES) to the key files of the relays' \
+             signing keys (`handoff-admin keygen` writes them), or --allow-unsigned (HANDOFF_ALLOW_UNSIGNED=true) \
+             while relays still publish unsigned messages"
+        );
+        SignaturePolicy::read(&files, self.allow_unsigned).context("--verify-key-files (HANDOFF_VERIFY_KEY_FILES)")
+    }
+
+    /// The processing settings these flags describe; fails when a verify key cannot be read.
+    pub fn settings(&self) -> anyhow::Result<ConsumerSettings> {
+        Ok(ConsumerSettings {
             batch_size: self.batch_size,
             dead_letter_after: self.dead_letter_after,
             backoff: Backoff {
@@ -323,8 +348,9 @@ impl ConsumerConfig {
             sample_interval: self.observe.sample_interval(),
             migrate: self.migrate.mode,
             newer_version_delay: Duration::from_secs(self.newer_version_delay_secs),
+            signatures: self.signatures()?,
             ..ConsumerSettings::default()
-        }
+        })
     }
 }
 
@@ -357,6 +383,19 @@ mod tests {
             let error = ConsumerConfig::try_parse_from(args).unwrap_err().to_string();
             assert!(error.contains(flag), "{flag} {value}: {error}");
         }
+    }
+
+    #[test]
+    fn verify_keys_are_required_unless_unsigned_messages_are_allowed() {
+        let base = ["handoff-consumer", "--database-url", "postgres://db/x"];
+        let error = ConsumerConfig::try_parse_from(base).unwrap().settings().unwrap_err();
+        assert!(format!("{error:#}").contains("--verify-key-files (HANDOFF_VERIFY_KEY_FILES)"), "{error:#}");
+        let missing = base.iter().chain(&["--verify-key-files", "/nonexistent/a.key,/nonexistent/b.key"]);
+        let error = ConsumerConfig::try_parse_from(missing).unwrap().settings().unwrap_err();
+        let error = handoff_shared::logging::error_chain(error.as_ref());
+        assert!(error.contains("--verify-key-files") && error.contains("/nonexistent/a.key"), "{error}");
+        let migrating = ConsumerConfig::try_parse_from(base.iter().chain(&["--allow-unsigned"])).unwrap();
+        assert!(migrating.settings().unwrap().signatures.allows_unsigned());
     }
 
     #[test]

@@ -19,6 +19,7 @@ use futures::future::join_all;
 use handoff_shared::logging::{Outage, error_chain};
 use handoff_shared::migrate::MigrateMode;
 use handoff_shared::observe::{Check, Endpoint, Heartbeat, Liveness, Readiness};
+use handoff_shared::signing::{SignaturePolicy, Signed};
 use handoff_shared::{Backoff, Envelope, headers};
 use prometheus_client::registry::Registry;
 use sqlx::PgPool;
@@ -51,6 +52,9 @@ pub struct ConsumerSettings {
     pub newest_envelope_version: u32,
     /// How long a message of a newer envelope version waits before it is offered again.
     pub newer_version_delay: Duration,
+    /// Which signatures are accepted (checked before anything else); the default accepts no key and
+    /// no unsigned message, so every message is dead-lettered until keys are given.
+    pub signatures: SignaturePolicy,
 }
 
 /// A message of a newer envelope version is offered again after this long: rolling upgrades take
@@ -79,6 +83,7 @@ impl Default for ConsumerSettings {
             migrate: MigrateMode::Auto,
             newest_envelope_version: handoff_shared::envelope::SCHEMA_VERSION,
             newer_version_delay: DEFAULT_NEWER_VERSION_DELAY,
+            signatures: SignaturePolicy::default(),
         }
     }
 }
@@ -174,6 +179,8 @@ pub struct Consumer<C> {
     batches: Arc<Outage>,
     /// The newest envelope version held so far (its first message is logged).
     newest_held: Arc<AtomicU32>,
+    /// Whether an unsigned message was accepted yet (the first is logged).
+    unsigned_seen: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl<C: Crm + 'static> Consumer<C> {
@@ -204,6 +211,7 @@ impl<C: Crm + 'static> Consumer<C> {
             liveness: Liveness::default(),
             batches: Arc::new(Outage::new("consumer batch transactions")),
             newest_held: Arc::default(),
+            unsigned_seen: Arc::default(),
         })
     }
 
@@ -346,8 +354,7 @@ impl<C: Crm + 'static> Consumer<C> {
     fn verify(&self, message: Message) -> Incoming {
         let (sequence, delivered) = position(&message);
         let msg_id = message.headers.as_ref().and_then(|h| h.get(headers::MSG_ID)).map(|v| v.as_str().to_owned());
-        let decoded =
-            Envelope::decode_up_to(&message.payload, msg_id.as_deref(), self.settings.newest_envelope_version);
+        let decoded = self.open(&message.payload, msg_id.as_deref());
         let newer = match &decoded {
             Err(handoff_shared::EnvelopeError::NewerVersion { found, .. }) => Some(*found),
             _ => None,
@@ -356,6 +363,23 @@ impl<C: Crm + 'static> Consumer<C> {
             .map_err(|e| e.to_string())
             .and_then(|env| on_its_subject(env, message.subject.as_str(), &self.subjects));
         Incoming { message: Some(message), verified, newer, sequence, delivered }
+    }
+
+    /// Opens a message body under this replica's signature policy and envelope version; an
+    /// accepted unsigned message is counted (and the first one logged).
+    fn open(&self, body: &[u8], msg_id: Option<&str>) -> Result<Envelope, handoff_shared::EnvelopeError> {
+        let (envelope, signed) =
+            Envelope::open(body, msg_id, self.settings.newest_envelope_version, &self.settings.signatures)?;
+        if signed == Signed::Unsigned {
+            self.metrics.unsigned.inc();
+            if !self.unsigned_seen.swap(true, Ordering::Relaxed) {
+                tracing::warn!(
+                    operation_key = %envelope.key,
+                    "accepted an unsigned message (--allow-unsigned); handoff_consumer_unsigned_messages_total counts them"
+                );
+            }
+        }
+        Ok(envelope)
     }
 
     /// Holds a message of a newer envelope version: a nak with [`ConsumerSettings::newer_version_delay`],
@@ -544,13 +568,10 @@ impl<C: Crm + 'static> Consumer<C> {
         let mut incoming = Vec::new();
         let mut still_failing = Vec::new();
         for letter in letters {
-            let verified = Envelope::decode_up_to(
-                &letter.body,
-                letter.message_id.as_deref(),
-                self.settings.newest_envelope_version,
-            )
-            .map_err(|e| e.to_string())
-            .and_then(|env| on_its_subject(env, &letter.subject, &self.subjects));
+            let verified = self
+                .open(&letter.body, letter.message_id.as_deref())
+                .map_err(|e| e.to_string())
+                .and_then(|env| on_its_subject(env, &letter.subject, &self.subjects));
             match verified {
                 Ok(envelope) => {
                     ids.push(letter.id);

@@ -34,6 +34,13 @@ fn start() -> anyhow::Result<()> {
 
 async fn run(config: ConsumerConfig) -> anyhow::Result<()> {
     tracing::info!(?config, "starting handoff-consumer");
+    let settings = config.settings()?;
+    let keys: Vec<String> = settings.signatures.key_ids().map(ToString::to_string).collect();
+    if settings.signatures.allows_unsigned() {
+        tracing::warn!(?keys, "--allow-unsigned: unsigned messages are accepted (signed ones are still verified)");
+    } else {
+        tracing::info!(?keys, "accepting messages signed with these keys only");
+    }
     let pool = config.database.connect("handoff-consumer").await?;
     let client = config.nats.connect("handoff-consumer").await?;
     let token = CancellationToken::new();
@@ -41,15 +48,14 @@ async fn run(config: ConsumerConfig) -> anyhow::Result<()> {
     let subscription = config.subscription()?;
     match config.crm.mode {
         CrmMode::Local => {
-            let consumer = Consumer::build(pool, client.clone(), &subscription, LocalCrm, config.settings()).await?;
+            let consumer = Consumer::build(pool, client.clone(), &subscription, LocalCrm, settings).await?;
             serve_endpoint(&config, consumer.endpoint(), &token).await?;
             consumer.run_until_stopped(token).await?;
         }
         CrmMode::Http => {
             let crm = HttpCrm::new(config.crm.http_settings()?)?;
             let ledger = LedgerCrm { account: config.crm.account.clone() };
-            let consumer =
-                Consumer::build(pool.clone(), client.clone(), &subscription, ledger, config.settings()).await?;
+            let consumer = Consumer::build(pool.clone(), client.clone(), &subscription, ledger, settings).await?;
             serve_endpoint(&config, consumer.endpoint(), &token).await?;
             if config.dry_run {
                 tracing::warn!("dry run: intake is recorded and acknowledged; this replica makes no CRM call");

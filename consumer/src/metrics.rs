@@ -72,6 +72,7 @@ pub struct ConsumerMetrics {
     pub messages: Family<MessageLabels, Counter>,
     pub batch_duration: Histogram,
     pub batch_errors: Counter,
+    pub unsigned: Counter,
     pub pending_messages: Gauge,
     pub ack_pending_messages: Gauge,
     pub redelivered_messages: Gauge,
@@ -102,6 +103,7 @@ impl ConsumerMetrics {
             messages: Family::default(),
             batch_duration: histogram(),
             batch_errors: Counter::default(),
+            unsigned: Counter::default(),
             pending_messages: Gauge::default(),
             ack_pending_messages: Gauge::default(),
             redelivered_messages: Gauge::default(),
@@ -132,6 +134,11 @@ impl ConsumerMetrics {
             "handoff_consumer_batch_errors",
             "Batch transactions that failed (their messages were retried one by one)",
             m.batch_errors,
+        );
+        registry.register(
+            "handoff_consumer_unsigned_messages",
+            "Unsigned messages accepted under --allow-unsigned (drop the flag once this stops growing)",
+            m.unsigned,
         );
         registry.register(
             "handoff_consumer_pending_messages",

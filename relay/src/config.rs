@@ -1,6 +1,9 @@
 //! Every setting of `handoff-relay`, as a flag and an environment variable (`handoff-relay --help`).
 
+use std::path::PathBuf;
 use std::time::Duration;
+
+use anyhow::Context;
 
 use async_nats::jetstream::stream::StorageType;
 use handoff_shared::Backoff;
@@ -8,6 +11,7 @@ use handoff_shared::config::{
     DatabaseArgs, LogFormat, MigrateArgs, NatsArgs, ObserveArgs, RuntimeArgs, ServiceCommand,
 };
 use handoff_shared::observe::HttpAddr;
+use handoff_shared::signing::SigningKey;
 use handoff_shared::subject::Subjects;
 
 use crate::{ReconcileSettings, RelaySettings, StreamSettings};
@@ -117,6 +121,14 @@ pub struct RelayConfig {
         )
     )]
     pub envelope_version: u32,
+    /// File holding the key every message is signed with (`handoff-admin keygen` writes one).
+    /// Required unless --unsigned.
+    #[arg(long, env = "HANDOFF_SIGNING_KEY_FILE", value_name = "FILE")]
+    pub signing_key_file: Option<PathBuf>,
+    /// Publish unsigned messages: only while the consumers run with --allow-unsigned, during a
+    /// move to signed messages.
+    #[arg(long, env = "HANDOFF_UNSIGNED", default_value_t = false, conflicts_with = "signing_key_file")]
+    pub unsigned: bool,
     /// CloudEvents source attribute of published events.
     #[arg(long, env = "HANDOFF_EVENT_SOURCE", default_value = "/handoff/relay")]
     pub event_source: String,
@@ -160,9 +172,25 @@ impl RelayConfig {
         })
     }
 
-    /// The relay settings these flags describe.
-    pub fn relay_settings(&self) -> RelaySettings {
-        RelaySettings {
+    /// The signing key (read from its file), or `None` with --unsigned; neither is refused.
+    pub fn signing_key(&self) -> anyhow::Result<Option<SigningKey>> {
+        match &self.signing_key_file {
+            Some(path) => {
+                let key = SigningKey::read(path).context("--signing-key-file (HANDOFF_SIGNING_KEY_FILE)")?;
+                Ok(Some(key))
+            }
+            None if self.unsigned => Ok(None),
+            None => anyhow::bail!(
+                "no signing key: set --signing-key-file (HANDOFF_SIGNING_KEY_FILE) to a key file \
+                 (`handoff-admin keygen` writes one), or --unsigned (HANDOFF_UNSIGNED=true) while the \
+                 consumers still run with --allow-unsigned"
+            ),
+        }
+    }
+
+    /// The relay settings these flags describe; fails when the signing key cannot be read.
+    pub fn relay_settings(&self) -> anyhow::Result<RelaySettings> {
+        Ok(RelaySettings {
             batch_size: self.batch_size,
             lease: Duration::from_secs_f64(self.lease_secs),
             poll_interval: Duration::from_millis(self.poll_ms),
@@ -185,7 +213,8 @@ impl RelayConfig {
                 interval: Duration::from_secs(self.reconcile_interval_secs),
                 lookback: Duration::from_secs(self.reconcile_lookback_secs),
             }),
-        }
+            signing: self.signing_key()?,
+        })
     }
 }
 
@@ -222,9 +251,31 @@ mod tests {
             let error = super::RelayConfig::try_parse_from(args).unwrap_err().to_string();
             assert!(error.contains(flag), "{flag} {value}: {error}");
         }
-        let args =
-            ["handoff-relay", "--database-url", "postgres://db/x", "--lease-secs", "2.5", "--stream-max-bytes", "-1"];
+        let args = [
+            "handoff-relay",
+            "--database-url",
+            "postgres://db/x",
+            "--lease-secs",
+            "2.5",
+            "--stream-max-bytes",
+            "-1",
+            "--unsigned",
+        ];
         let config = super::RelayConfig::try_parse_from(args).unwrap();
-        assert_eq!(config.relay_settings().lease, std::time::Duration::from_millis(2500));
+        assert_eq!(config.relay_settings().unwrap().lease, std::time::Duration::from_millis(2500));
+    }
+
+    #[test]
+    fn a_signing_key_is_required_unless_unsigned_is_chosen() {
+        use clap::Parser;
+        let base = ["handoff-relay", "--database-url", "postgres://db/x"];
+        let error = super::RelayConfig::try_parse_from(base).unwrap().relay_settings().unwrap_err();
+        assert!(format!("{error:#}").contains("--signing-key-file (HANDOFF_SIGNING_KEY_FILE)"), "{error:#}");
+        let missing = base.iter().chain(&["--signing-key-file", "/nonexistent/signing.key"]);
+        let error = super::RelayConfig::try_parse_from(missing).unwrap().relay_settings().unwrap_err();
+        let error = handoff_shared::logging::error_chain(error.as_ref());
+        assert!(error.contains("--signing-key-file") && error.contains("/nonexistent/signing.key"), "{error}");
+        let both = base.iter().chain(&["--signing-key-file", "k", "--unsigned"]);
+        assert!(super::RelayConfig::try_parse_from(both).is_err(), "a key and --unsigned contradict each other");
     }
 }

@@ -29,9 +29,16 @@ fn start() -> anyhow::Result<()> {
 
 async fn run(config: RelayConfig) -> anyhow::Result<()> {
     tracing::info!(?config, "starting handoff-relay");
+    let settings = config.relay_settings()?;
+    match &settings.signing {
+        Some(key) => tracing::info!(key_id = %key.id(), "signing every message"),
+        None => tracing::warn!(
+            "--unsigned: messages are published unsigned; consumers accept them only with --allow-unsigned"
+        ),
+    }
     let pool = config.database.connect("handoff-relay").await?;
     let client = config.nats.connect("handoff-relay").await?;
-    let relay = Relay::build(pool, client.clone(), config.stream_settings()?, config.relay_settings()).await?;
+    let relay = Relay::build(pool, client.clone(), config.stream_settings()?, settings).await?;
     let token = CancellationToken::new();
     tokio::spawn(handoff_shared::config::shutdown_on_signal(token.clone()));
     if let Some(addr) = config.http_addr.0 {

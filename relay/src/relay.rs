@@ -18,6 +18,7 @@ use chrono::{DateTime, Utc};
 use handoff_shared::logging::{Outage, error_chain};
 use handoff_shared::migrate::MigrateMode;
 use handoff_shared::observe::{Check, Endpoint, Heartbeat, Liveness, Readiness};
+use handoff_shared::signing::SigningKey;
 use handoff_shared::{Approval, Backoff, CanonicalPayload, Envelope, OperationKey, PayloadHash};
 use prometheus_client::registry::Registry;
 use sqlx::PgPool;
@@ -96,6 +97,9 @@ pub struct RelaySettings {
     /// The envelope version to write (this build's newest by default; an older one while the
     /// consumers are upgraded after the relays).
     pub envelope_version: u32,
+    /// The key every message is signed with; `None` publishes unsigned messages, which consumers
+    /// refuse unless they run with `--allow-unsigned`.
+    pub signing: Option<SigningKey>,
 }
 
 /// The relay's periodic reconciliation (see [`reconcile`]).
@@ -144,6 +148,7 @@ impl Default for RelaySettings {
             reconcile: None,
             migrate: MigrateMode::Auto,
             envelope_version: handoff_shared::envelope::SCHEMA_VERSION,
+            signing: None,
         }
     }
 }
@@ -575,7 +580,7 @@ impl Relay {
             time: row.recorded_at,
             traceparent,
         };
-        let body = envelope.encode_as(self.settings.envelope_version);
+        let body = envelope.encode_signed(self.settings.envelope_version, self.settings.signing.as_ref());
         Ok((Outgoing { subject, key: row.operation_key.clone(), body }, computed_hash))
     }
 

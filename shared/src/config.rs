@@ -53,6 +53,38 @@ pub struct NatsArgs {
         value_parser = clap::value_parser!(u64).range(1..=3600)
     )]
     pub connect_timeout_secs: u64,
+    /// Subject prefix of this connection's reply inboxes (default `_INBOX`). Give each service
+    /// user its own (e.g. `_INBOX_handoff_relay`) and allow it only `subscribe` on `<prefix>.>`,
+    /// so no other user can read its replies.
+    #[arg(long = "nats-inbox-prefix", env = "NATS_INBOX_PREFIX", value_parser = parse_inbox_prefix)]
+    pub inbox_prefix: Option<String>,
+}
+
+/// An inbox prefix: one or more subject tokens without wildcards.
+fn parse_inbox_prefix(s: &str) -> Result<String, String> {
+    let valid = !s.is_empty()
+        && s.split('.').all(|t| !t.is_empty() && !t.contains(['*', '>']) && !t.contains(char::is_whitespace));
+    if valid { Ok(s.to_owned()) } else { Err(format!("{s:?} is not a subject prefix (tokens without wildcards)")) }
+}
+
+/// Logs what the server reports about a live connection: permission violations and other server
+/// errors (otherwise invisible: a refused publish or subscription just never answers), slow
+/// consumers, lame-duck mode; connection changes at info (outages are logged by the loops).
+async fn log_nats_event(event: async_nats::Event) {
+    use async_nats::Event;
+    match event {
+        Event::ServerError(error) => tracing::warn!(%error, "NATS server error"),
+        Event::ClientError(error) => tracing::warn!(%error, "NATS client error"),
+        Event::SlowConsumer(sid) => {
+            tracing::warn!(sid, "NATS slow consumer: the server dropped messages for a subscription")
+        }
+        Event::LameDuckMode => {
+            tracing::warn!("NATS server entered lame duck mode; the client will move to another server")
+        }
+        Event::Connected => tracing::info!("NATS connected"),
+        Event::Disconnected => tracing::info!("NATS disconnected; reconnecting"),
+        other => tracing::debug!(event = %other, "NATS event"),
+    }
 }
 
 /// Whether an IO error with kind `InvalidData` is in `error`'s source chain (how a TLS handshake
@@ -119,6 +151,7 @@ impl fmt::Debug for NatsArgs {
             .field("tls_key", &self.tls_key)
             .field("tls_required", &self.tls_required)
             .field("connect_timeout_secs", &self.connect_timeout_secs)
+            .field("inbox_prefix", &self.inbox_prefix)
             .finish()
     }
 }
@@ -138,6 +171,7 @@ impl NatsArgs {
             tls_key: None,
             tls_required: false,
             connect_timeout_secs: DEFAULT_NATS_CONNECT_TIMEOUT.as_secs(),
+            inbox_prefix: None,
         }
     }
 
@@ -207,7 +241,13 @@ impl NatsArgs {
     }
 
     async fn options(&self, name: &str, attempt_timeout: Duration) -> anyhow::Result<async_nats::ConnectOptions> {
-        let mut options = async_nats::ConnectOptions::new().name(name).connection_timeout(attempt_timeout);
+        let mut options = async_nats::ConnectOptions::new()
+            .name(name)
+            .connection_timeout(attempt_timeout)
+            .event_callback(log_nats_event);
+        if let Some(prefix) = &self.inbox_prefix {
+            options = options.custom_inbox_prefix(prefix.clone());
+        }
         if let Some(path) = &self.creds_file {
             options = options.credentials_file(path).await?;
         }

@@ -9,7 +9,9 @@
 //!
 //! `id` is the operation key (CloudEvents consumers de-duplicate on `source` + `id`), `type` is the
 //! action with its version, and the `handoff*` extension attributes carry the payload hash and the
-//! approval so the consumer can verify the payload is exactly what a person approved. A producer's
+//! approval so the consumer can verify the payload is exactly what a person approved;
+//! `handoffkeyid` and `handoffsig` sign every other attribute (see [`crate::signing`]), so only a
+//! holder of a signing key can publish an action the consumer accepts. A producer's
 //! W3C trace context travels as the distributed-tracing extension (`traceparent`). Any CloudEvents
 //! SDK can read the stream.
 
@@ -18,6 +20,7 @@ use chrono::{DateTime, SecondsFormat, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::signing::{SignatureError, SignaturePolicy, Signed, SignedFields, SigningKey};
 use crate::{CanonicalPayload, KeyError, OperationKey, PayloadError, PayloadHash, TraceParent};
 
 /// The newest envelope version this build writes and reads, in the `handoffschema` attribute. Bump
@@ -121,6 +124,8 @@ pub enum EnvelopeError {
     HashMismatch { declared: PayloadHash, computed: PayloadHash },
     #[error("approval is invalid: {0}")]
     BadApproval(#[from] ApprovalError),
+    #[error(transparent)]
+    Signature(#[from] SignatureError),
 }
 
 #[derive(Serialize, Deserialize)]
@@ -139,7 +144,41 @@ struct CloudEvent {
     /// CloudEvents distributed-tracing extension.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     traceparent: Option<String>,
+    /// The id of the key that signed the other attributes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    handoffkeyid: Option<String>,
+    /// HMAC-SHA256 of the other attributes, hex.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    handoffsig: Option<String>,
     data: Value,
+}
+
+impl CloudEvent {
+    /// What a signature covers, formatted from the parsed values (so both ends agree whatever the
+    /// JSON spelling of a timestamp).
+    fn signed<'a>(&'a self, time: &'a str, approved_at: &'a str) -> SignedFields<'a> {
+        SignedFields {
+            id: &self.id,
+            source: &self.source,
+            kind: &self.kind,
+            time,
+            datacontenttype: &self.datacontenttype,
+            hash: &self.handoffhash,
+            approved_by: &self.handoffapprovedby,
+            approved_at,
+            schema: self.handoffschema,
+            traceparent: self.traceparent.as_deref(),
+        }
+    }
+
+    fn check_signature(&self, policy: &SignaturePolicy) -> Result<Signed, SignatureError> {
+        let (time, approved_at) = (signed_time(self.time), signed_time(self.handoffapprovedat));
+        policy.check(&self.signed(&time, &approved_at), self.handoffkeyid.as_deref(), self.handoffsig.as_deref())
+    }
+}
+
+fn signed_time(time: DateTime<Utc>) -> String {
+    time.to_rfc3339_opts(SecondsFormat::AutoSi, true)
 }
 
 /// The CloudEvents `type` for a key: `namespace.action.vN`.
@@ -154,9 +193,14 @@ impl Envelope {
     }
 
     /// The message body in envelope version `version` (a relay told to write an older version
-    /// while consumers are upgraded after it).
+    /// while consumers are upgraded after it), unsigned.
     pub fn encode_as(&self, version: u32) -> Bytes {
-        let event = CloudEvent {
+        self.encode_signed(version, None)
+    }
+
+    /// The message body in envelope version `version`, signed with `key` (unsigned without one).
+    pub fn encode_signed(&self, version: u32, key: Option<&SigningKey>) -> Bytes {
+        let mut event = CloudEvent {
             specversion: "1.0".into(),
             id: self.key.to_string(),
             source: self.source.clone(),
@@ -168,22 +212,42 @@ impl Envelope {
             handoffapprovedat: self.approval.approved_at,
             handoffschema: version,
             traceparent: self.traceparent.map(|tp| tp.to_string()),
+            handoffkeyid: None,
+            handoffsig: None,
             data: self.payload.value().clone(),
         };
+        if let Some(key) = key {
+            let (time, approved_at) = (signed_time(event.time), signed_time(event.handoffapprovedat));
+            let signature = key.sign(&event.signed(&time, &approved_at));
+            event.handoffkeyid = Some(key.id().to_string());
+            event.handoffsig = Some(signature);
+        }
         // Serializing owned strings, timestamps and a JSON value cannot fail.
         Bytes::from(serde_json::to_vec(&event).expect("envelope serializes"))
     }
 
-    /// Parses and verifies a message: body shape, key, `Nats-Msg-Id` (`msg_id`) equal to the key,
-    /// and the payload hash recomputed from the data.
+    /// Parses and checks a message as [`Envelope::open`] does, **without checking its signature**:
+    /// for tools that read the stream (the consumer opens messages with its signature policy).
     pub fn decode(body: &[u8], msg_id: Option<&str>) -> Result<Self, EnvelopeError> {
         Self::decode_up_to(body, msg_id, SCHEMA_VERSION)
     }
 
-    /// [`Envelope::decode`] for a reader of versions up to `newest`. A newer version is
-    /// [`EnvelopeError::NewerVersion`]; every version up to `newest` has this version's fields (a
-    /// version adds attributes, it does not change these).
+    /// [`Envelope::decode`] for a reader of versions up to `newest`.
     pub fn decode_up_to(body: &[u8], msg_id: Option<&str>, newest: u32) -> Result<Self, EnvelopeError> {
+        Self::open(body, msg_id, newest, &SignaturePolicy::unchecked()).map(|(envelope, _)| envelope)
+    }
+
+    /// Parses and verifies a message for a reader of envelope versions up to `newest`: body shape
+    /// and version, then the signature under `policy` before anything else is trusted, then the
+    /// key, `Nats-Msg-Id` (`msg_id`) equal to the key, the type, and the payload hash recomputed
+    /// from the data. A newer version is [`EnvelopeError::NewerVersion`] (every version up to
+    /// `newest` has this version's fields: a version adds attributes, it does not change these).
+    pub fn open(
+        body: &[u8],
+        msg_id: Option<&str>,
+        newest: u32,
+        policy: &SignaturePolicy,
+    ) -> Result<(Self, Signed), EnvelopeError> {
         let event: CloudEvent =
             serde_json::from_slice(body).map_err(|e| EnvelopeError::NotCloudEvent(e.to_string()))?;
         if event.specversion != "1.0" {
@@ -195,6 +259,7 @@ impl Envelope {
         if event.handoffschema < OLDEST_SCHEMA_VERSION {
             return Err(EnvelopeError::SchemaVersion(event.handoffschema));
         }
+        let signed = event.check_signature(policy)?;
         let key: OperationKey = event.id.parse()?;
         let msg_id = msg_id.ok_or(EnvelopeError::MissingHeader(crate::headers::MSG_ID))?;
         if msg_id != key.as_str() {
@@ -213,7 +278,7 @@ impl Envelope {
         let approval = Approval::new(&event.handoffapprovedby, event.handoffapprovedat)?;
         // Diagnostic only: a malformed trace context is dropped, never a reason to refuse the action.
         let traceparent = event.traceparent.and_then(|tp| tp.parse().ok());
-        Ok(Self { key, payload, approval, source: event.source, time: event.time, traceparent })
+        Ok((Self { key, payload, approval, source: event.source, time: event.time, traceparent }, signed))
     }
 }
 
@@ -308,6 +373,47 @@ mod tests {
         json["handoffschema"] = 0.into();
         let body = serde_json::to_vec(&json).unwrap();
         assert_eq!(Envelope::decode(&body, key), Err(EnvelopeError::SchemaVersion(0)));
+    }
+
+    #[test]
+    fn a_signed_envelope_opens_with_its_key_and_any_change_is_refused() {
+        use crate::signing::KeyId;
+        let key = SigningKey::generate(Some(KeyId::new("k1").unwrap())).unwrap();
+        let policy = SignaturePolicy::new([key.clone()], false).unwrap();
+        let msg_id = Some("harbor:create-followup:v1:case-104");
+        let mut env = sample();
+        env.time += chrono::Duration::nanoseconds(123_456_789);
+        let body = env.encode_signed(SCHEMA_VERSION, Some(&key));
+        let (opened, signed) = Envelope::open(&body, msg_id, SCHEMA_VERSION, &policy).unwrap();
+        assert_eq!((opened, signed), (env.clone(), Signed::By(key.id().clone())));
+        let json: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(json["handoffkeyid"], "k1");
+        for (attribute, value) in [
+            ("handoffapprovedby", Value::from("u-18")),
+            ("source", "/elsewhere".into()),
+            ("time", "2026-11-29T10:00:01Z".into()),
+            ("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into()),
+        ] {
+            let mut forged = json.clone();
+            forged[attribute] = value;
+            let error = Envelope::open(&serde_json::to_vec(&forged).unwrap(), msg_id, SCHEMA_VERSION, &policy);
+            assert!(
+                matches!(error, Err(EnvelopeError::Signature(SignatureError::BadSignature(_)))),
+                "{attribute}: {error:?}"
+            );
+        }
+        // A payload changed with its hash recomputed, as a forger who knows SHA-256 would.
+        let mut forged = json.clone();
+        forged["data"]["title"] = "Call someone else".into();
+        let payload = CanonicalPayload::new(forged["data"].clone()).unwrap();
+        forged["handoffhash"] = payload.hash().to_string().into();
+        let error = Envelope::open(&serde_json::to_vec(&forged).unwrap(), msg_id, SCHEMA_VERSION, &policy);
+        assert!(matches!(error, Err(EnvelopeError::Signature(SignatureError::BadSignature(_)))), "{error:?}");
+        // Unsigned: refused by the policy, read by tools.
+        let unsigned = env.encode();
+        let error = Envelope::open(&unsigned, msg_id, SCHEMA_VERSION, &policy).unwrap_err();
+        assert_eq!(error, EnvelopeError::Signature(SignatureError::Unsigned));
+        assert!(Envelope::decode(&unsigned, msg_id).is_ok());
     }
 
     #[test]

@@ -13,6 +13,7 @@ pub mod logging;
 pub mod migrate;
 pub mod observe;
 pub mod payload;
+pub mod signing;
 pub mod subject;
 pub mod trace;
 

@@ -3,10 +3,11 @@
 //! without stepping on each other. Relay and consumer run in-process, built through their
 //! libraries exactly as the binaries build them.
 
-pub mod containers;
 pub mod ops;
-pub mod process;
 pub mod remote;
+
+/// The containers and processes come from the kit users' suites use too.
+pub use handoff_testkit::{containers, process};
 
 use std::future::Future;
 use std::time::Duration;
@@ -41,7 +42,12 @@ pub struct TestEnv {
     pub subjects: Subjects,
     /// Broker dedup window for this test's stream.
     pub duplicate_window: Duration,
+    /// The key relays sign with and consumers verify, in memory and in files for the binaries.
+    pub keys: TestKeys,
 }
+
+/// A test's signing key pair (see [`handoff_testkit::Keys`]).
+pub type TestKeys = handoff_testkit::Keys;
 
 impl TestEnv {
     /// Starts Postgres and NATS and prepares fresh databases with the producer schema migrated.
@@ -71,6 +77,7 @@ impl TestEnv {
             stream: format!("T{id}"),
             subjects: Subjects::new(format!("t{id}"))?,
             duplicate_window,
+            keys: TestKeys::generate()?,
         })
     }
 
@@ -108,6 +115,7 @@ impl TestEnv {
             poll_interval: Duration::from_millis(100),
             // Relays run as the least-privileged role, which cannot change the schema.
             migrate: handoff_shared::migrate::MigrateMode::Never,
+            signing: Some(self.keys.signing.clone()),
             ..RelaySettings::default()
         }
     }
@@ -124,6 +132,7 @@ impl TestEnv {
             fetch_expires: Duration::from_secs(1),
             // Replicas run as the least-privileged role, which cannot change the schema.
             migrate: handoff_shared::migrate::MigrateMode::Never,
+            signatures: self.keys.policy(),
             ..ConsumerSettings::default()
         }
     }
@@ -161,6 +170,8 @@ impl TestEnv {
             ("HANDOFF_RELAY_POLL_MS", "100".into()),
             // Several processes share this host: no endpoint unless a test asks for one.
             ("HANDOFF_HTTP_ADDR", String::new()),
+            ("HANDOFF_SIGNING_KEY_FILE", self.keys.signing_file.display().to_string()),
+            ("HANDOFF_VERIFY_KEY_FILES", self.keys.verify_file.display().to_string()),
             ("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into())),
         ]
     }
@@ -168,6 +179,24 @@ impl TestEnv {
     /// The environment the relay binary gets (for tests that spawn it themselves).
     pub fn service_env_for_relay(&self) -> Vec<(&'static str, String)> {
         self.service_env(self.relay_url())
+    }
+
+    /// The environment a consumer replica binary gets (for tests that spawn it themselves).
+    pub fn service_env_for_consumer(&self) -> Vec<(&'static str, String)> {
+        self.service_env(self.replica_url())
+    }
+
+    /// The environment `handoff-admin` gets from [`TestEnv::admin`] (for tests that run it
+    /// themselves, e.g. against another broker).
+    pub fn admin_env(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("HANDOFF_PRODUCER_DATABASE_URL", self.role_url(OPERATOR_ROLE, &self.producer_db)),
+            ("HANDOFF_CONSUMER_DATABASE_URL", self.role_url(OPERATOR_ROLE, &self.consumer_db)),
+            ("NATS_URL", self.nats.url()),
+            ("HANDOFF_STREAM", self.stream.clone()),
+            ("HANDOFF_CONSUMER_NAME", "crm".to_owned()),
+            ("RUST_LOG", "warn".to_owned()),
+        ]
     }
 
     /// Starts the real `handoff-relay` binary against this test's databases and stream, with its
@@ -198,15 +227,7 @@ impl TestEnv {
     /// Runs the real `handoff-admin` with `args` against this test's databases, broker, stream and
     /// durable consumer, to completion.
     pub async fn admin(&self, args: &[&str]) -> Result<process::CommandOutput> {
-        let env = [
-            ("HANDOFF_PRODUCER_DATABASE_URL", self.role_url(OPERATOR_ROLE, &self.producer_db)),
-            ("HANDOFF_CONSUMER_DATABASE_URL", self.role_url(OPERATOR_ROLE, &self.consumer_db)),
-            ("NATS_URL", self.nats.url()),
-            ("HANDOFF_STREAM", self.stream.clone()),
-            ("HANDOFF_CONSUMER_NAME", "crm".to_owned()),
-            ("RUST_LOG", "warn".to_owned()),
-        ];
-        process::run_binary("handoff-admin", &env, args, Duration::from_secs(120)).await
+        process::run_binary("handoff-admin", &self.admin_env(), args, Duration::from_secs(120)).await
     }
 
     /// The producer database as the relay's runtime role.
@@ -245,6 +266,12 @@ impl TestEnv {
             self.postgres.port(),
             options.get_database().unwrap_or("postgres")
         )
+    }
+
+    /// `envelope` as this test's relays publish it: envelope version `version`, signed with the
+    /// test's key (for tests that publish by hand).
+    pub fn signed(&self, envelope: &handoff_shared::Envelope, version: u32) -> bytes::Bytes {
+        envelope.encode_signed(version, Some(&self.keys.signing))
     }
 
     /// Records the seed's follow-up for `case` through the Rust API in its own transaction.

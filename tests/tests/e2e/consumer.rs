@@ -175,7 +175,10 @@ async fn a_republish_after_the_dedup_window_expired_is_stopped_by_the_consumers_
 async fn malformed_and_hash_mismatch_messages_are_dead_lettered_without_blocking_the_rest() {
     let env = TestEnv::start().await.unwrap();
     let relay = env.relay(env.relay_settings()).await.unwrap();
-    let consumer = env.consumer(env.consumer_settings()).await.unwrap();
+    // Accepting unsigned messages too, as during a move to signing, so the hash check is reached.
+    let signatures = handoff_shared::signing::SignaturePolicy::new([env.keys.signing.clone()], true).unwrap();
+    let consumer =
+        env.consumer(handoff_consumer::ConsumerSettings { signatures, ..env.consumer_settings() }).await.unwrap();
     let key: handoff_shared::OperationKey = "harbor:create-followup:v1:case-200".parse().unwrap();
     let subject = env.subjects.for_key(&key);
     let publish = |payload: Vec<u8>, id: &str| {
@@ -197,6 +200,7 @@ async fn malformed_and_hash_mismatch_messages_are_dead_lettered_without_blocking
         traceparent: None,
     };
     let mut tampered: serde_json::Value = serde_json::from_slice(&genuine.encode()).unwrap();
+    // (Unsigned: this is the hash check's test; a signed one is refused before it, see signing.rs.)
     tampered["data"]["title"] = "Call someone else".into();
     publish(serde_json::to_vec(&tampered).unwrap(), key.as_str()).await;
     // 3: a valid action behind both.
@@ -324,7 +328,10 @@ async fn a_valid_message_on_another_action_types_subject_is_dead_lettered_and_cr
         traceparent: None,
     };
     let wrong_subject = format!("{}.othertenant.delete-everything", env.subjects.prefix());
-    let message = PublishMessage::build().payload(envelope.encode()).message_id(key.as_str());
+    // Signed with the relays' own key: only the subject is wrong.
+    let message = PublishMessage::build()
+        .payload(env.signed(&envelope, handoff_shared::envelope::SCHEMA_VERSION))
+        .message_id(key.as_str());
     env.js.send_publish(wrong_subject, message).await.unwrap().await.unwrap();
     env.approve("case-104", SEED_TITLE).await.unwrap();
     relay.publish_batch().await.unwrap();
@@ -368,7 +375,7 @@ async fn a_newer_envelope_version_waits_for_an_upgraded_consumer_and_is_never_de
         time: chrono::Utc::now(),
         traceparent: None,
     };
-    let message = PublishMessage::build().payload(newer.encode_as(newest + 1)).message_id(key.as_str());
+    let message = PublishMessage::build().payload(env.signed(&newer, newest + 1)).message_id(key.as_str());
     env.js.send_publish(env.subjects.for_key(&key), message).await.unwrap().await.unwrap();
 
     let handled = eventually("both messages", Duration::from_secs(30), || async {

@@ -5,10 +5,12 @@
 mod admin;
 mod consumer;
 mod install;
+mod nats_permissions;
 mod operability;
 mod processes;
 mod producer;
 mod relay;
 mod remote;
 mod scale;
+mod signing;
 mod startup;

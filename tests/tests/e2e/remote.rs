@@ -384,7 +384,8 @@ async fn a_changed_payload_while_reconciliation_is_pending_is_refused_and_needs_
             .send_publish(
                 env.subjects.for_key(&edited.key),
                 async_nats::jetstream::message::PublishMessage::build()
-                    .payload(edited.encode())
+                    // A producer's bug, not a forgery: signed like every message.
+                    .payload(env.signed(&edited, handoff_shared::envelope::SCHEMA_VERSION))
                     .message_id("harbor:create-followup:v1:case-104"),
             )
             .await?

@@ -1,8 +1,9 @@
 //! The real `handoff-relay` and `handoff-consumer` binaries as child processes, for tests that
 //! crash them for real (SIGKILL) or stop them as an orchestrator would (SIGTERM).
 //!
-//! The binaries are looked up next to the test executable's directory (`target/<profile>/`);
-//! `scripts/test` builds them first (`cargo build --bins`).
+//! A binary is looked up in `HANDOFF_BIN_DIR` if set, then next to the test executable
+//! (`target/<profile>/`, where `cargo build --bins` puts a workspace's binaries), then on `PATH`
+//! (after `cargo install handoff-relay handoff-consumer`).
 
 use std::path::PathBuf;
 use std::process::{ExitStatus, Stdio};
@@ -19,8 +20,15 @@ pub struct ServiceProcess {
     log: Option<std::sync::Arc<std::sync::Mutex<Vec<String>>>>,
 }
 
-/// Where cargo put the workspace's binaries for this profile.
+/// Where the binary `name` is: `HANDOFF_BIN_DIR`, next to the test executable, or on `PATH`.
 pub fn binary_path(name: &str) -> Result<PathBuf> {
+    if let Some(dir) = std::env::var_os("HANDOFF_BIN_DIR") {
+        let candidate = PathBuf::from(dir).join(name);
+        if candidate.is_file() {
+            return Ok(candidate);
+        }
+        bail!("{name} is not in HANDOFF_BIN_DIR ({})", candidate.display());
+    }
     let exe = std::env::current_exe()?;
     // target/<profile>/deps/<test-binary> or target/<profile>/<binary>
     for dir in exe.ancestors().skip(1).take(2) {
@@ -29,7 +37,19 @@ pub fn binary_path(name: &str) -> Result<PathBuf> {
             return Ok(candidate);
         }
     }
-    bail!("{name} is not built next to {}; run `cargo build --bins` first (scripts/test does)", exe.display())
+    if let Some(path) = std::env::var_os("PATH") {
+        for dir in std::env::split_paths(&path) {
+            let candidate = dir.join(name);
+            if candidate.is_file() {
+                return Ok(candidate);
+            }
+        }
+    }
+    bail!(
+        "{name} is not built next to {} nor on PATH; run `cargo build --bins` in handoff's workspace, \
+         `cargo install {name}`, or set HANDOFF_BIN_DIR",
+        exe.display()
+    )
 }
 
 impl ServiceProcess {

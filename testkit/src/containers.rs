@@ -1,10 +1,10 @@
 //! Postgres and NATS JetStream containers for integration tests (testcontainers 0.28).
 //!
-//! Images come from `HANDOFF_POSTGRES_IMAGE` (default [`DEFAULT_POSTGRES_IMAGE`]) and
-//! `HANDOFF_NATS_IMAGE` (default [`DEFAULT_NATS_IMAGE`]); `scripts/build-images` builds the
-//! defaults locally, and a user with a registry can point the variables at `postgres:15` and
-//! `nats:2.x` instead. On an engine older than Docker API 1.53, source `scripts/docker-env`
-//! first (it puts `docker-api-shim` on `DOCKER_HOST`; see that crate for when it is needed).
+//! Images come from `HANDOFF_POSTGRES_IMAGE` (default [`DEFAULT_POSTGRES_IMAGE`], the official
+//! `postgres:15`) and `HANDOFF_NATS_IMAGE` (default [`DEFAULT_NATS_IMAGE`], the official `nats`).
+//! Without a registry, build images locally and point the variables at them (handoff's own
+//! repository does: `scripts/build-images` builds `handoff-test/postgres:15` and
+//! `handoff-test/nats:2.15.1`, and its `.cargo/config.toml` names them).
 //!
 //! Ports are published on 127.0.0.1 only (the Postgres image trusts everyone) and clients
 //! always connect to `127.0.0.1:<host port>`, which also works when the tests themselves run
@@ -29,9 +29,10 @@ use testcontainers::{
 use tokio::{io::AsyncReadExt, net::TcpStream};
 
 /// Image used for Postgres unless `HANDOFF_POSTGRES_IMAGE` is set.
-pub const DEFAULT_POSTGRES_IMAGE: &str = "handoff-test/postgres:15";
-/// Image used for NATS unless `HANDOFF_NATS_IMAGE` is set.
-pub const DEFAULT_NATS_IMAGE: &str = "handoff-test/nats:2.15.1";
+pub const DEFAULT_POSTGRES_IMAGE: &str = "postgres:15";
+/// Image used for NATS unless `HANDOFF_NATS_IMAGE` is set (2.12.3 or later: see the README on
+/// lost acknowledged writes in 2.12.1).
+pub const DEFAULT_NATS_IMAGE: &str = "nats:2.12";
 
 const POSTGRES_PORT: u16 = 5432;
 const NATS_PORT: u16 = 4222;
