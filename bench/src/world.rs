@@ -86,7 +86,6 @@ pub struct World {
     counter: u32,
 }
 
-
 impl World {
     /// Starts the Postgres servers (one if `shared_postgres`) and a NATS server for `profile`.
     pub async fn start(profile: Profile, shared_postgres: bool) -> Result<Self> {

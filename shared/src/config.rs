@@ -68,13 +68,14 @@ fn parse_inbox_prefix(s: &str) -> Result<String, String> {
 }
 
 /// Logs what the server reports about a live connection: permission violations and other server
-/// errors (otherwise invisible: a refused publish or subscription just never answers), slow
-/// consumers, lame-duck mode; connection changes at info (outages are logged by the loops).
+/// errors at WARN (otherwise invisible: a refused publish or subscription just never answers),
+/// slow consumers, lame-duck mode; connection changes at info and the client's own reconnect
+/// errors at debug (an outage is logged once at its start and once at its end by the loops).
 async fn log_nats_event(event: async_nats::Event) {
     use async_nats::Event;
     match event {
         Event::ServerError(error) => tracing::warn!(%error, "NATS server error"),
-        Event::ClientError(error) => tracing::warn!(%error, "NATS client error"),
+        Event::ClientError(error) => tracing::debug!(%error, "NATS client error"),
         Event::SlowConsumer(sid) => {
             tracing::warn!(sid, "NATS slow consumer: the server dropped messages for a subscription")
         }

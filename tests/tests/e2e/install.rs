@@ -89,6 +89,8 @@ async fn a_service_with_migrate_never_refuses_a_schema_that_is_behind_and_says_w
                 ("HANDOFF_SUBJECT_PREFIX", env.subjects.prefix().to_owned()),
                 ("HANDOFF_HTTP_ADDR", String::new()),
                 ("HANDOFF_STREAM_WAIT_SECS", "1".to_owned()),
+                ("HANDOFF_SIGNING_KEY_FILE", env.keys.signing_file.display().to_string()),
+                ("HANDOFF_VERIFY_KEY_FILES", env.keys.verify_file.display().to_string()),
             ],
             &[],
             WAIT,
