@@ -136,3 +136,53 @@ async fn repeated_crashes_after_publish_still_end_with_exactly_one_task() {
     consumer.fetch_and_handle(WAIT).await.unwrap();
     assert_eq!(env.tasks().await.unwrap(), 1);
 }
+
+#[tokio::test]
+async fn an_existing_stream_keeps_what_handoff_does_not_own_and_its_drifted_settings_are_set_back() {
+    use async_nats::jetstream::stream::{Config, DiscardPolicy};
+    let env = TestEnv::start().await.unwrap();
+    let mut theirs = Config {
+        name: env.stream.clone(),
+        subjects: vec![env.subjects.all(), format!("audit{}.>", env.stream.to_lowercase())],
+        description: Some("owned by the platform team".into()),
+        max_messages_per_subject: 1_000,
+        allow_direct: true,
+        duplicate_window: Duration::from_secs(10),
+        discard: DiscardPolicy::Old,
+        ..Default::default()
+    };
+    theirs.max_age = Duration::ZERO;
+    env.js.create_stream(theirs).await.unwrap();
+
+    let relay = env.relay(env.relay_settings()).await.unwrap();
+    let config = env.js.get_stream(&env.stream).await.unwrap().cached_info().config.clone();
+    assert_eq!(config.description.as_deref(), Some("owned by the platform team"));
+    assert_eq!(config.subjects.len(), 2, "{:?}", config.subjects);
+    assert_eq!((config.max_messages_per_subject, config.allow_direct), (1_000, true));
+    assert_eq!((config.discard, config.duplicate_window), (DiscardPolicy::New, env.duplicate_window));
+    env.approve("case-104", SEED_TITLE).await.unwrap();
+    relay.publish_batch().await.unwrap();
+    assert_eq!(env.stream_messages().await.unwrap(), 1);
+}
+
+#[tokio::test]
+async fn a_stream_the_relay_cannot_fix_in_place_stops_the_binary_with_what_to_do() {
+    use async_nats::jetstream::stream::{Config, StorageType};
+    let env = TestEnv::start().await.unwrap();
+    let memory = Config {
+        name: env.stream.clone(),
+        subjects: vec![env.subjects.all()],
+        storage: StorageType::Memory,
+        ..Default::default()
+    };
+    env.js.create_stream(memory).await.unwrap();
+    let out =
+        handoff_tests::process::run_binary("handoff-relay", &env.service_env_for_relay(), &[], Duration::from_secs(60))
+            .await
+            .unwrap();
+    assert_ne!(out.code, Some(0));
+    let last = out.stderr.lines().last().unwrap_or_default();
+    assert!(last.contains("storage") && last.contains("HANDOFF_STREAM_MEMORY"), "{}", out.stderr);
+    let config = env.js.get_stream(&env.stream).await.unwrap().cached_info().config.clone();
+    assert_eq!(config.storage, StorageType::Memory, "left as it was");
+}
