@@ -73,7 +73,7 @@ pub struct FilledStream {
 pub async fn publish(world: &mut World, messages: &[(String, Bytes)]) -> Result<(Sample, FilledStream)> {
     let name = world.unique("CEIL");
     let subjects = Subjects::new(name.to_lowercase())?;
-    handoff_relay::publisher::ensure_stream(&world.js, &stream_settings(&name, &subjects)).await?;
+    handoff_relay::publisher::ensure_stream(&world.js, &stream_settings(&name, &subjects), false).await?;
     let subject = format!("{}.bench.create-followup", subjects.prefix());
     let meter = Meter::start(world, &[]);
     let mut in_flight = FuturesUnordered::new();
@@ -265,7 +265,7 @@ async fn insert_inbox_and_tasks<'a>(
 pub async fn relay(world: &mut World, pool: &PgPool, n: i64, workers: usize) -> Result<Sample> {
     let name = world.unique("BRELAY");
     let subjects = Subjects::new(name.to_lowercase())?;
-    handoff_relay::publisher::ensure_stream(&world.js, &stream_settings(&name, &subjects)).await?;
+    handoff_relay::publisher::ensure_stream(&world.js, &stream_settings(&name, &subjects), false).await?;
     let subject = format!("{}.bench.create-followup", subjects.prefix());
     let mut clients = Vec::new();
     for _ in 0..workers {
@@ -404,7 +404,7 @@ pub async fn consumer(
 pub async fn round_trip(world: &mut World, samples: usize) -> Result<Vec<f64>> {
     let name = world.unique("RTT");
     let subjects = Subjects::new(name.to_lowercase())?;
-    let stream = handoff_relay::publisher::ensure_stream(&world.js, &stream_settings(&name, &subjects)).await?;
+    let stream = handoff_relay::publisher::ensure_stream(&world.js, &stream_settings(&name, &subjects), false).await?;
     let stream = world.js.get_stream(&stream.config.name).await?;
     let consumer = stream
         .create_consumer(pull::Config {

@@ -129,6 +129,12 @@ pub struct RelayConfig {
     /// move to signed messages.
     #[arg(long, env = "HANDOFF_UNSIGNED", default_value_t = false, conflicts_with = "signing_key_file")]
     pub unsigned: bool,
+    /// How claimed batches are published: pipelined (one JetStream publish per message), atomic
+    /// (atomic batches: a few fsyncs per batch with sync_interval always; needs nats-server 2.12+
+    /// and allow_atomic on the stream, which the relay turns on), or auto (atomic on 2.15+, where a
+    /// batch commits with a few fsyncs; else pipelined).
+    #[arg(long, env = "HANDOFF_PUBLISH_MODE", value_enum, default_value = "auto")]
+    pub publish_mode: crate::publisher::PublishMode,
     /// CloudEvents source attribute of published events.
     #[arg(long, env = "HANDOFF_EVENT_SOURCE", default_value = "/handoff/relay")]
     pub event_source: String,
@@ -214,6 +220,7 @@ impl RelayConfig {
                 lookback: Duration::from_secs(self.reconcile_lookback_secs),
             }),
             signing: self.signing_key()?,
+            publish_mode: self.publish_mode,
         })
     }
 }

@@ -7,6 +7,7 @@
 
 use std::time::Duration;
 
+use async_nats::jetstream::ErrorCode;
 use async_nats::jetstream::context::{PublishError, PublishErrorKind};
 use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::publish::PublishAck;
@@ -68,8 +69,8 @@ pub struct Drift {
     pub now: String,
 }
 
-/// The stream configuration handoff wants, for a new stream.
-fn wanted(settings: &StreamSettings) -> stream::Config {
+/// The stream configuration handoff wants, for a new stream (`atomic`: allowing atomic batches).
+fn wanted(settings: &StreamSettings, atomic: bool) -> stream::Config {
     stream::Config {
         name: settings.name.clone(),
         subjects: vec![settings.subjects.all()],
@@ -80,16 +81,19 @@ fn wanted(settings: &StreamSettings) -> stream::Config {
         max_age: settings.max_age,
         max_bytes: settings.max_bytes,
         num_replicas: settings.replicas,
+        allow_atomic_publish: atomic,
         ..Default::default()
     }
 }
 
 /// `existing` with only the settings handoff owns changed to `settings`, and what changed. Every
 /// other setting (description, other subjects, per-subject limits, direct get, placement, ...) is
-/// the operator's and stays as it is. Fails on a difference JetStream cannot apply in place.
+/// the operator's and stays as it is. `atomic` turns atomic batches on (never off: another relay
+/// or the operator may use them). Fails on a difference JetStream cannot apply in place.
 pub fn reconcile_config(
     existing: &stream::Config,
     settings: &StreamSettings,
+    atomic: bool,
 ) -> Result<(stream::Config, Vec<Drift>), StreamSetupError> {
     let immutable = |setting, found: String, wanted: String, hint| StreamSetupError::Immutable {
         name: settings.name.clone(),
@@ -137,6 +141,10 @@ pub fn reconcile_config(
     config.max_bytes = settings.max_bytes;
     note("num_replicas", config.num_replicas.to_string(), settings.replicas.to_string());
     config.num_replicas = settings.replicas;
+    if atomic && !config.allow_atomic_publish {
+        note("allow_atomic", "false".into(), "true".into());
+        config.allow_atomic_publish = true;
+    }
     Ok((config, drift))
 }
 
@@ -146,6 +154,7 @@ pub fn reconcile_config(
 pub async fn ensure_stream(
     js: &async_nats::jetstream::Context,
     settings: &StreamSettings,
+    atomic: bool,
 ) -> Result<stream::Info, StreamSetupError> {
     use async_nats::jetstream::ErrorCode;
     use async_nats::jetstream::context::GetStreamErrorKind;
@@ -155,7 +164,7 @@ pub async fn ensure_stream(
         Err(error) if matches!(error.kind(), GetStreamErrorKind::JetStream(e) if e.error_code() == ErrorCode::STREAM_NOT_FOUND) =>
         {
             let created = js
-                .create_stream(wanted(settings))
+                .create_stream(wanted(settings, atomic))
                 .await
                 .map_err(|source| StreamSetupError::Create { name: name.clone(), source })?;
             tracing::info!(stream = %name, "created the stream");
@@ -163,7 +172,7 @@ pub async fn ensure_stream(
         }
         Err(source) => return Err(StreamSetupError::Info { name, source }),
     };
-    let (config, drift) = reconcile_config(&existing.config, settings)?;
+    let (config, drift) = reconcile_config(&existing.config, settings, atomic)?;
     if drift.is_empty() {
         return Ok(existing);
     }
@@ -172,6 +181,49 @@ pub async fn ensure_stream(
     }
     let changes = drift.iter().map(|d| d.setting).collect::<Vec<_>>().join(", ");
     js.update_stream(&config).await.map_err(|source| StreamSetupError::Update { name, changes, source })
+}
+
+/// How the relay publishes a claimed batch (`--publish-mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum PublishMode {
+    /// Every message its own JetStream publish, all in flight at once: per-message dedup (a
+    /// re-publish answers `duplicate: true`); with `sync_interval: always` on R1 one fsync each.
+    Pipelined,
+    /// Atomic batches (ADR-50): up to [`ATOMIC_BATCH_LIMIT`] messages committed together with a
+    /// few fsyncs. A batch holding an id the broker already knows is rejected whole (10201) and is
+    /// then published pipelined, so old rows report duplicates and new ones are stored.
+    Atomic,
+    /// Atomic when the server is 2.15 or later (where a batch commits with a few fsyncs) and the
+    /// stream allows it, else pipelined (one warning).
+    #[default]
+    Auto,
+}
+
+/// Messages per atomic batch: the server's limit.
+pub const ATOMIC_BATCH_LIMIT: usize = 1_000;
+/// The oldest server with atomic batch publishing (ADR-50). 2.15 commits a batch with a few
+/// fsyncs instead of one per message (nats-server PR 8539); earlier ones are correct but slower.
+pub const ATOMIC_SERVER_VERSION: (u64, u64) = (2, 12);
+/// "Atomic batch publish has duplicate message id": some message of the batch was already stored.
+pub const ERR_BATCH_DUPLICATE: ErrorCode = ErrorCode(10201);
+
+/// The `major.minor` of a server version string (`2.15.1`, `2.12.0-beta.1`).
+pub fn server_version(version: &str) -> Option<(u64, u64)> {
+    let mut parts = version.trim_start_matches('v').split(['.', '-']);
+    Some((parts.next()?.parse().ok()?, parts.next()?.parse().ok()?))
+}
+
+/// The oldest server `auto` publishes atomic batches to: 2.15 coalesces a batch's fsyncs.
+pub const AUTO_ATOMIC_SERVER_VERSION: (u64, u64) = (2, 15);
+
+/// Whether a server of `version` publishes atomic batches.
+pub fn supports_atomic(version: &str) -> bool {
+    server_version(version).is_some_and(|v| v >= ATOMIC_SERVER_VERSION)
+}
+
+/// Whether `auto` uses atomic batches on a server of `version`.
+pub fn prefers_atomic(version: &str) -> bool {
+    server_version(version).is_some_and(|v| v >= AUTO_ATOMIC_SERVER_VERSION)
 }
 
 /// One message to publish.
@@ -205,6 +257,120 @@ pub fn failure_class(error: &PublishError) -> &'static str {
         PublishErrorKind::MaxAckPending => "client_backpressure",
         _ => "other",
     }
+}
+
+/// Publishes `messages` as atomic batches of at most [`ATOMIC_BATCH_LIMIT`], all batches in flight
+/// at once: messages 1..n-1 of a batch go out as core publishes with the batch headers (no reply),
+/// the commit as a JetStream publish whose PubAck carries the batch's last sequence and count;
+/// each message's sequence follows from them (a batch is stored contiguously). A batch rejected
+/// because one of its ids is already stored (10201) is published again pipelined, message by
+/// message, so the known ones answer `duplicate: true` and the new ones are stored. Any other
+/// failure fails every message of that batch alike (it may or may not have been committed; the
+/// retry settles it the same way). Results come back in input order.
+pub async fn publish_atomic(
+    js: &async_nats::jetstream::Context,
+    client: &async_nats::Client,
+    batch_prefix: &str,
+    messages: Vec<Outgoing>,
+) -> Vec<Result<PublishAck, PublishError>> {
+    let chunks: Vec<Vec<Outgoing>> = messages.chunks(ATOMIC_BATCH_LIMIT).map(<[Outgoing]>::to_vec).collect();
+    let mut results = Vec::with_capacity(messages.len());
+    let mut numbered = chunks.into_iter().enumerate().peekable();
+    while numbered.peek().is_some() {
+        let window: Vec<(usize, Vec<Outgoing>)> = numbered.by_ref().take(ATOMIC_IN_FLIGHT).collect();
+        settle_window(js, client, batch_prefix, window, &mut results).await;
+    }
+    results
+}
+
+/// Atomic batches one relay worker keeps open at once: a stream allows 50 open batches (all
+/// relays and workers together), and a claim of the default 1,000 rows is one batch.
+pub const ATOMIC_IN_FLIGHT: usize = 4;
+
+/// Sends the batches of `window`, then awaits their commits, appending one result per message.
+async fn settle_window(
+    js: &async_nats::jetstream::Context,
+    client: &async_nats::Client,
+    batch_prefix: &str,
+    window: Vec<(usize, Vec<Outgoing>)>,
+    results: &mut Vec<Result<PublishAck, PublishError>>,
+) {
+    let mut commits = Vec::with_capacity(window.len());
+    for (i, chunk) in &window {
+        commits.push(send_batch(js, client, &format!("{batch_prefix}-{i}"), chunk).await);
+    }
+    for ((_, chunk), commit) in window.into_iter().zip(commits) {
+        let outcome = match commit {
+            Ok(ack) => ack.await,
+            Err(error) => Err(error),
+        };
+        match outcome {
+            Ok(ack) => {
+                let count = chunk.len() as u64;
+                if ack.batch_size != Some(count) || ack.sequence < count {
+                    // Not what a committed batch answers (a server that ignored the batch headers,
+                    // say): do not derive sequences; settle per message (the stored ones answer
+                    // as duplicates with their own sequences).
+                    tracing::warn!(batch = ?ack.batch_id, stored = ?ack.batch_size, count, "atomic batch ack does not match the batch; publishing it per message");
+                    results.extend(publish_pipelined(js, chunk).await);
+                    continue;
+                }
+                let first = ack.sequence - count + 1;
+                results.extend(
+                    (0..count).map(|i| Ok(PublishAck { sequence: first + i, duplicate: false, ..ack.clone() })),
+                );
+            }
+            Err(error) if is_batch_duplicate(&error) => {
+                tracing::debug!(
+                    messages = chunk.len(),
+                    "atomic batch holds an id the broker knows; publishing it per message"
+                );
+                results.extend(publish_pipelined(js, chunk).await);
+            }
+            Err(error) => {
+                let kind = error.kind();
+                results.push(Err(error));
+                results.extend((1..chunk.len()).map(|_| Err(PublishError::new(kind))));
+            }
+        }
+    }
+}
+
+/// Sends one atomic batch; returns the commit's PubAck future.
+async fn send_batch(
+    js: &async_nats::jetstream::Context,
+    client: &async_nats::Client,
+    batch_id: &str,
+    chunk: &[Outgoing],
+) -> Result<async_nats::jetstream::context::PublishAckFuture, PublishError> {
+    use async_nats::header::{NATS_BATCH_COMMIT, NATS_BATCH_COMMIT_FINAL, NATS_BATCH_ID, NATS_BATCH_SEQUENCE};
+    let (last, rest) = chunk.split_last().expect("chunks are not empty");
+    for (i, msg) in rest.iter().enumerate() {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(headers::MSG_ID, msg.key.as_str());
+        headers.insert(headers::CONTENT_TYPE, headers::CLOUDEVENTS_JSON);
+        headers.insert(NATS_BATCH_ID, batch_id);
+        headers.insert(NATS_BATCH_SEQUENCE, (i + 1).to_string().as_str());
+        client
+            .publish_with_headers(msg.subject.clone(), headers, msg.body.clone())
+            .await
+            .map_err(|e| PublishError::with_source(PublishErrorKind::BrokenPipe, e))?;
+    }
+    let commit = PublishMessage::build()
+        .payload(last.body.clone())
+        .header(headers::CONTENT_TYPE, headers::CLOUDEVENTS_JSON)
+        .header(NATS_BATCH_ID, batch_id)
+        .header(NATS_BATCH_SEQUENCE, chunk.len().to_string().as_str())
+        .header(NATS_BATCH_COMMIT, NATS_BATCH_COMMIT_FINAL)
+        .message_id(&last.key);
+    js.send_publish(last.subject.clone(), commit).await
+}
+
+/// Whether a publish failed because an atomic batch held an already stored id (10201).
+pub fn is_batch_duplicate(error: &PublishError) -> bool {
+    std::error::Error::source(error)
+        .and_then(|source| source.downcast_ref::<async_nats::jetstream::Error>())
+        .is_some_and(|e| e.error_code() == ERR_BATCH_DUPLICATE)
 }
 
 /// Publishes every message pipelined: all are sent before any PubAck is awaited, so a batch costs
@@ -248,17 +414,20 @@ mod tests {
 
     #[test]
     fn only_the_settings_handoff_owns_change_and_each_change_is_reported() {
-        let mut existing = wanted(&settings());
-        assert_eq!(reconcile_config(&existing, &settings()).unwrap().1, [], "nothing drifted");
+        let mut existing = wanted(&settings(), false);
+        assert_eq!(reconcile_config(&existing, &settings(), false).unwrap().1, [], "nothing drifted");
         existing.description = Some("owned by the platform team".into());
         existing.subjects.push("audit.>".into());
         existing.max_messages_per_subject = 1_000;
         existing.allow_direct = true;
         existing.duplicate_window = Duration::from_secs(10);
         existing.discard = DiscardPolicy::Old;
-        let (config, drift) = reconcile_config(&existing, &settings()).unwrap();
+        let (config, drift) = reconcile_config(&existing, &settings(), true).unwrap();
         let changed: Vec<&str> = drift.iter().map(|d| d.setting).collect();
-        assert_eq!(changed, ["discard", "duplicate_window"]);
+        assert_eq!(changed, ["discard", "duplicate_window", "allow_atomic"]);
+        assert!(config.allow_atomic_publish);
+        let (kept, _) = reconcile_config(&config, &settings(), false).unwrap();
+        assert!(kept.allow_atomic_publish, "never turned off: another relay may use it");
         assert_eq!(config.description.as_deref(), Some("owned by the platform team"));
         assert_eq!(config.subjects, ["handoff.>", "audit.>"]);
         assert_eq!((config.max_messages_per_subject, config.allow_direct), (1_000, true));
@@ -266,14 +435,21 @@ mod tests {
     }
 
     #[test]
+    fn server_versions_with_atomic_batches() {
+        assert!(supports_atomic("2.15.1") && supports_atomic("2.12.0") && supports_atomic("v3.0.0"));
+        assert!(!supports_atomic("2.11.9") && !supports_atomic("2.10.22-beta.1") && !supports_atomic("garbage"));
+        assert!(prefers_atomic("2.15.1") && !prefers_atomic("2.14.3") && supports_atomic("2.14.3"));
+    }
+
+    #[test]
     fn a_difference_jetstream_cannot_apply_in_place_is_refused_with_what_to_do() {
-        let mut existing = wanted(&settings());
+        let mut existing = wanted(&settings(), false);
         existing.storage = StorageType::Memory;
-        let error = reconcile_config(&existing, &settings()).unwrap_err().to_string();
+        let error = reconcile_config(&existing, &settings(), false).unwrap_err().to_string();
         assert!(error.contains("storage") && error.contains("HANDOFF_STREAM_MEMORY"), "{error}");
-        let mut existing = wanted(&settings());
+        let mut existing = wanted(&settings(), false);
         existing.retention = RetentionPolicy::WorkQueue;
-        let error = reconcile_config(&existing, &settings()).unwrap_err().to_string();
+        let error = reconcile_config(&existing, &settings(), false).unwrap_err().to_string();
         assert!(error.contains("retention") && error.contains("HANDOFF_STREAM"), "{error}");
     }
 }

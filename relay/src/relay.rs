@@ -29,7 +29,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::metrics::{ClassLabel, KindLabel, ReasonLabel, RelayMetrics, action_type};
 use crate::outbox::{self, Claim, ClaimedRow, FailedRow, Failure, Lease, PublishedRow, RangeClaim, RetentionPosition};
-use crate::publisher::{self, Outgoing, StreamSettings};
+use crate::publisher::{self, Outgoing, PublishMode, StreamSettings};
 use crate::reconcile::{self, AtSequence, MismatchKind, Scope};
 
 /// The channel `handoff.notify_outbox()` signals on.
@@ -100,6 +100,8 @@ pub struct RelaySettings {
     /// The key every message is signed with; `None` publishes unsigned messages, which consumers
     /// refuse unless they run with `--allow-unsigned`.
     pub signing: Option<SigningKey>,
+    /// Pipelined per-message publishes, atomic batches, or atomic where the broker allows it.
+    pub publish_mode: PublishMode,
 }
 
 /// The relay's periodic reconciliation (see [`reconcile`]).
@@ -149,6 +151,7 @@ impl Default for RelaySettings {
             migrate: MigrateMode::Auto,
             envelope_version: handoff_shared::envelope::SCHEMA_VERSION,
             signing: None,
+            publish_mode: PublishMode::Auto,
         }
     }
 }
@@ -219,7 +222,13 @@ pub enum RelayError {
 #[derive(Debug, Clone)]
 pub struct Relay {
     pool: PgPool,
+    client: async_nats::Client,
     js: async_nats::jetstream::Context,
+    /// How batches are published: [`PublishMode::Pipelined`] or [`PublishMode::Atomic`], as
+    /// decided at startup from the setting, the server and the stream.
+    mode: PublishMode,
+    /// Numbers this relay's atomic batches (their ids are `<owner>-<n>-<chunk>`).
+    batch_counter: Arc<std::sync::atomic::AtomicU64>,
     stream: StreamSettings,
     settings: RelaySettings,
     owner: String,
@@ -267,8 +276,37 @@ impl Relay {
             // is retried after a pause, and the pool replaces the connection.
             .test_before_acquire(false)
             .connect_lazy_with(options);
-        let js = async_nats::jetstream::new(client);
-        publisher::ensure_stream(&js, &stream).await?;
+        let js = async_nats::jetstream::new(client.clone());
+        let version = client.server_info().version;
+        let atomic_possible = publisher::supports_atomic(&version);
+        let wants_atomic = match settings.publish_mode {
+            PublishMode::Pipelined => false,
+            PublishMode::Atomic => {
+                anyhow::ensure!(
+                    atomic_possible,
+                    "--publish-mode atomic (HANDOFF_PUBLISH_MODE) needs nats-server 2.12 or later; this one is {version}: \
+                     use pipelined or auto"
+                );
+                true
+            }
+            PublishMode::Auto => publisher::prefers_atomic(&version),
+        };
+        let info = publisher::ensure_stream(&js, &stream, wants_atomic).await?;
+        let mode = match (settings.publish_mode, wants_atomic && info.config.allow_atomic_publish) {
+            (PublishMode::Pipelined, _) => PublishMode::Pipelined,
+            (_, true) => PublishMode::Atomic,
+            (PublishMode::Atomic, false) => anyhow::bail!(
+                "--publish-mode atomic (HANDOFF_PUBLISH_MODE): stream {} does not allow atomic batches (allow_atomic \
+                 is off after the update; a server before 2.12 ignores it)",
+                stream.name
+            ),
+            (_, false) => {
+                tracing::warn!(server = %version, stream = %stream.name,
+                    "atomic batch publishing is not used (server before 2.15, or the stream does not allow it); publishing pipelined");
+                PublishMode::Pipelined
+            }
+        };
+        tracing::info!(?mode, server = %version, "publish mode");
         let horizon = settings.backoff.horizon(settings.max_attempts) + settings.lease;
         if horizon > stream.duplicate_window {
             tracing::warn!(
@@ -284,7 +322,10 @@ impl Relay {
         let metrics = RelayMetrics::register(&mut registry);
         Ok(Self {
             pool,
+            client,
             js,
+            mode,
+            batch_counter: Arc::default(),
             stream,
             settings,
             owner,
@@ -310,6 +351,11 @@ impl Relay {
             liveness: self.liveness.clone(),
             readiness: Arc::new(RelayReadiness { relay: self.clone() }),
         }
+    }
+
+    /// How this relay publishes (decided at startup).
+    pub fn publish_mode(&self) -> PublishMode {
+        self.mode
     }
 
     /// The fault hooks of this relay (tests only).
@@ -367,8 +413,14 @@ impl Relay {
             }
         }
 
-        let acks =
-            if outgoing.is_empty() { Vec::new() } else { publisher::publish_pipelined(&self.js, outgoing).await };
+        let acks = match self.mode {
+            _ if outgoing.is_empty() => Vec::new(),
+            PublishMode::Atomic => {
+                let n = self.batch_counter.fetch_add(1, Ordering::Relaxed);
+                publisher::publish_atomic(&self.js, &self.client, &format!("{}-{n}", self.owner), outgoing).await
+            }
+            _ => publisher::publish_pipelined(&self.js, outgoing).await,
+        };
         let published_at = Instant::now();
         if outcome.claimed > 0 && RelayFaults::fire(&self.faults.crash_after_publish) {
             return Err(RelayError::InjectedCrash("after publish, before marking rows published"));

@@ -3,6 +3,7 @@
 //! stream and tasks in the CRM store.
 
 mod admin;
+mod atomic;
 mod consumer;
 mod install;
 mod nats_permissions;

@@ -108,7 +108,7 @@ async fn the_retry_budget_blocks_a_row_that_keeps_failing_and_publishes_nothing(
     assert_eq!((state.as_str(), attempts), ("blocked", 3));
     assert!(error.contains("publish failed"), "{error}");
 
-    handoff_relay::publisher::ensure_stream(&env.js, &env.stream_settings()).await.unwrap();
+    handoff_relay::publisher::ensure_stream(&env.js, &env.stream_settings(), false).await.unwrap();
     assert_eq!(env.stream_messages().await.unwrap(), 0);
 }
 

@@ -39,9 +39,13 @@ async fn two_relays_and_three_replicas_move_ten_thousand_actions_exactly_once() 
     let tasks = start_pipeline(&env, 2, 3, &token).await;
     env.approve_many_via_sql(1, N).await.unwrap();
 
-    eventually("10,000 tasks", Duration::from_secs(300), || async { Ok((env.tasks().await? >= N).then_some(())) })
-        .await
-        .unwrap();
+    // Both ends done: a batch whose PubAck was lost is stored (and consumed) before the relay's
+    // retry records it as a duplicate, so tasks can be complete while rows are still pending.
+    eventually("10,000 tasks and the outbox drained", Duration::from_secs(300), || async {
+        Ok((env.tasks().await? >= N && env.outbox().await?.published == N).then_some(()))
+    })
+    .await
+    .unwrap();
     stop(token, tasks).await;
 
     let outbox = env.outbox().await.unwrap();
@@ -69,8 +73,10 @@ async fn a_nats_restart_in_the_middle_of_a_run_loses_nothing() {
 
     env.nats.restart().await.unwrap();
     env.approve_many_via_sql(HALF + 1, HALF).await.unwrap();
-    eventually("every task after the restart", Duration::from_secs(300), || async {
-        Ok((env.tasks().await? >= 2 * HALF).then_some(()))
+    // Both ends done: a commit whose PubAck the restart lost is stored (and consumed) before the
+    // relay's retry records the batch as duplicates.
+    eventually("every task after the restart and the outbox drained", Duration::from_secs(300), || async {
+        Ok((env.tasks().await? >= 2 * HALF && env.outbox().await?.published == 2 * HALF).then_some(()))
     })
     .await
     .unwrap();
@@ -80,5 +86,6 @@ async fn a_nats_restart_in_the_middle_of_a_run_loses_nothing() {
     assert_eq!((outbox.published, outbox.pending, outbox.blocked), (2 * HALF, 0, 0));
     let counts = env.consumer_counts().await.unwrap();
     assert_eq!((counts.tasks, counts.inbox, counts.dead_letters), (2 * HALF, 2 * HALF, 0));
-    assert!(env.stream_messages().await.unwrap() >= 2 * HALF as u64);
+    let stored = env.stream_messages().await.unwrap();
+    assert!(stored >= 2 * HALF as u64, "{stored} messages in the stream for {} published rows", 2 * HALF);
 }

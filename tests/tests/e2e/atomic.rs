@@ -1,0 +1,139 @@
+//! Atomic batch publishing (ADR-50): a claimed batch is committed as one atomic batch, each row's
+//! stream sequence derived from the commit's PubAck; a batch holding an id the broker already
+//! stored is rejected whole (10201) and published again message by message, exactly once.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use async_nats::jetstream::message::PublishMessage;
+use handoff_relay::RelaySettings;
+use handoff_relay::publisher::{self, Outgoing, PublishMode};
+use handoff_tests::{TestEnv, eventually};
+
+/// Every published row's recorded sequence holds the message with that row's key.
+async fn sequences_match_the_stream(env: &TestEnv) -> usize {
+    let rows: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT operation_key, stream_sequence FROM handoff.outbox WHERE state = 'published' ORDER BY stream_sequence",
+    )
+    .fetch_all(&env.producer_db)
+    .await
+    .unwrap();
+    let stream = env.js.get_stream(&env.stream).await.unwrap();
+    for (key, sequence) in &rows {
+        let message = stream.get_raw_message(*sequence as u64).await.unwrap();
+        let id = message.headers.get(handoff_shared::headers::MSG_ID).map(|v| v.as_str().to_owned());
+        assert_eq!(id.as_deref(), Some(key.as_str()), "sequence {sequence}");
+    }
+    rows.len()
+}
+
+#[tokio::test]
+async fn a_backlog_goes_out_in_atomic_batches_with_every_rows_sequence_right() {
+    let env = TestEnv::start().await.unwrap();
+    env.approve_many_via_sql(1, 2_500).await.unwrap();
+    // One claim of 2,500 rows: three atomic batches (1,000 + 1,000 + 500) in flight together.
+    let settings = RelaySettings { publish_mode: PublishMode::Atomic, batch_size: 2_500, ..env.relay_settings() };
+    let relay = env.relay(settings).await.unwrap();
+    assert_eq!(relay.publish_mode(), PublishMode::Atomic);
+    let info = env.js.get_stream(&env.stream).await.unwrap().cached_info().clone();
+    assert!(info.config.allow_atomic_publish, "the relay turned atomic batches on");
+    let mut batches = 0;
+    while env.outbox().await.unwrap().published < 2_500 {
+        let batch = relay.publish_batch().await.unwrap();
+        assert_eq!(batch.duplicates, 0);
+        batches += 1;
+        assert!(batches < 20, "no progress");
+    }
+    assert_eq!(env.stream_messages().await.unwrap(), 2_500);
+    assert_eq!(sequences_match_the_stream(&env).await, 2_500);
+
+    let consumer = env.consumer(env.consumer_settings()).await.unwrap();
+    eventually("2,500 tasks", Duration::from_secs(60), || async {
+        consumer.fetch_and_handle(Duration::from_secs(1)).await?;
+        Ok((env.tasks().await? == 2_500).then_some(()))
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn a_batch_holding_ids_the_broker_stored_is_published_per_message_with_their_duplicates() {
+    let env = TestEnv::start().await.unwrap();
+    let relay = env.relay(RelaySettings { publish_mode: PublishMode::Atomic, ..env.relay_settings() }).await.unwrap();
+    let message = |i: usize| Outgoing {
+        subject: format!("{}.harbor.create-followup", env.subjects.prefix()),
+        key: format!("harbor:create-followup:v1:case-{i}"),
+        body: format!("{{\"n\":{i}}}").into(),
+    };
+    // Ten of the thirty ids are already stored (another relay's publish whose PubAck was lost).
+    let mut earlier = Vec::new();
+    for i in (0..30).step_by(3) {
+        let m = message(i);
+        let ack = env
+            .js
+            .send_publish(m.subject.clone(), PublishMessage::build().payload(m.body).message_id(&m.key))
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        earlier.push((i, ack.sequence));
+    }
+    let client = async_nats::connect(env.nats.url()).await.unwrap();
+    let results = publisher::publish_atomic(&env.js, &client, "test-batch", (0..30).map(message).collect()).await;
+    assert_eq!(results.len(), 30);
+    for (i, result) in results.iter().enumerate() {
+        let ack = result.as_ref().unwrap();
+        match earlier.iter().find(|(n, _)| *n == i) {
+            Some((_, sequence)) => assert!(ack.duplicate && ack.sequence == *sequence, "{i}: {ack:?}"),
+            None => assert!(!ack.duplicate, "{i}: {ack:?}"),
+        }
+    }
+    assert_eq!(env.stream_messages().await.unwrap(), 30, "10 earlier + 20 new, none twice");
+    drop(relay);
+}
+
+#[tokio::test]
+async fn a_lost_commit_ack_is_settled_by_the_retry_without_a_second_copy() {
+    let env = TestEnv::start().await.unwrap();
+    let settings = RelaySettings { publish_mode: PublishMode::Atomic, lease: Duration::ZERO, ..env.relay_settings() };
+    let relay = env.relay(settings).await.unwrap();
+    env.approve_many_via_sql(1, 300).await.unwrap();
+    // The batch is committed, then the relay "dies" before recording it: the rows stay leased.
+    relay.faults().crash_after_publish.store(1, Ordering::SeqCst);
+    assert!(relay.publish_batch().await.is_err());
+    assert_eq!(env.stream_messages().await.unwrap(), 300);
+    env.approve_many_via_sql(301, 200).await.unwrap();
+    // The re-claimed range is all known ids: rejected whole (10201), then published per message
+    // as duplicates; the new rows go out as an atomic batch.
+    let mut duplicates = 0;
+    while env.outbox().await.unwrap().published < 500 {
+        duplicates += relay.publish_batch().await.unwrap().duplicates;
+    }
+    assert_eq!(duplicates, 300);
+    assert_eq!(env.stream_messages().await.unwrap(), 500);
+    assert_eq!(sequences_match_the_stream(&env).await, 500);
+    let consumer = env.consumer(env.consumer_settings()).await.unwrap();
+    eventually("500 tasks", Duration::from_secs(60), || async {
+        consumer.fetch_and_handle(Duration::from_secs(1)).await?;
+        Ok((env.tasks().await? == 500).then_some(()))
+    })
+    .await
+    .unwrap();
+    assert_eq!(env.consumer_counts().await.unwrap().inbox, 500);
+}
+
+#[tokio::test]
+async fn pipelined_mode_leaves_the_stream_without_atomic_batches_and_still_publishes_once() {
+    let env = TestEnv::start().await.unwrap();
+    let relay =
+        env.relay(RelaySettings { publish_mode: PublishMode::Pipelined, ..env.relay_settings() }).await.unwrap();
+    assert_eq!(relay.publish_mode(), PublishMode::Pipelined);
+    let info = env.js.get_stream(&env.stream).await.unwrap().cached_info().clone();
+    assert!(!info.config.allow_atomic_publish);
+    env.approve_many_via_sql(1, 1_200).await.unwrap();
+    while env.outbox().await.unwrap().published < 1_200 {
+        relay.publish_batch().await.unwrap();
+    }
+    assert_eq!(env.stream_messages().await.unwrap(), 1_200);
+    assert_eq!(sequences_match_the_stream(&env).await, 1_200);
+}
