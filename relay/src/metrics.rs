@@ -76,6 +76,8 @@ pub struct RelayMetrics {
     pub held_paused: Family<ActionLabel, Counter>,
     pub batches: Counter,
     pub batch_errors: Counter,
+    pub atomic_batches: Counter,
+    pub atomic_fallbacks: Counter,
     pub claim_duration: Histogram,
     pub publish_duration: Histogram,
     pub settle_duration: Histogram,
@@ -105,6 +107,8 @@ impl RelayMetrics {
             held_paused: Family::default(),
             batches: Counter::default(),
             batch_errors: Counter::default(),
+            atomic_batches: Counter::default(),
+            atomic_fallbacks: Counter::default(),
             claim_duration: histogram(),
             publish_duration: histogram(),
             settle_duration: histogram(),
@@ -137,6 +141,16 @@ impl RelayMetrics {
             m.held_paused,
         );
         registry.register("handoff_relay_batches", "Claim-publish-settle batches completed", m.batches);
+        registry.register(
+            "handoff_relay_atomic_batches",
+            "Atomic batches committed (--publish-mode atomic or auto on nats-server 2.15+)",
+            m.atomic_batches,
+        );
+        registry.register(
+            "handoff_relay_atomic_fallbacks",
+            "Atomic batches the broker refused because one of their ids was already stored (10201), then published per message",
+            m.atomic_fallbacks,
+        );
         registry.register(
             "handoff_relay_batch_errors",
             "Batches that failed as a whole (the database, usually)",

@@ -266,21 +266,32 @@ pub fn failure_class(error: &PublishError) -> &'static str {
 /// because one of its ids is already stored (10201) is published again pipelined, message by
 /// message, so the known ones answer `duplicate: true` and the new ones are stored. Any other
 /// failure fails every message of that batch alike (it may or may not have been committed; the
-/// retry settles it the same way). Results come back in input order.
+/// retry settles it the same way). Results come back in input order. The core publishes go out on
+/// `js`'s own connection, so they reach the server before their commit.
 pub async fn publish_atomic(
     js: &async_nats::jetstream::Context,
-    client: &async_nats::Client,
     batch_prefix: &str,
     messages: Vec<Outgoing>,
-) -> Vec<Result<PublishAck, PublishError>> {
+) -> AtomicOutcome {
     let chunks: Vec<Vec<Outgoing>> = messages.chunks(ATOMIC_BATCH_LIMIT).map(<[Outgoing]>::to_vec).collect();
-    let mut results = Vec::with_capacity(messages.len());
+    let mut outcome = AtomicOutcome { results: Vec::with_capacity(messages.len()), committed: 0, fallbacks: 0 };
     let mut numbered = chunks.into_iter().enumerate().peekable();
     while numbered.peek().is_some() {
         let window: Vec<(usize, Vec<Outgoing>)> = numbered.by_ref().take(ATOMIC_IN_FLIGHT).collect();
-        settle_window(js, client, batch_prefix, window, &mut results).await;
+        settle_window(js, batch_prefix, window, &mut outcome).await;
     }
-    results
+    outcome
+}
+
+/// What [`publish_atomic`] did.
+#[derive(Debug)]
+pub struct AtomicOutcome {
+    /// One result per message, in input order.
+    pub results: Vec<Result<PublishAck, PublishError>>,
+    /// Atomic batches committed.
+    pub committed: u64,
+    /// Batches refused for a stored id (10201) and published per message instead.
+    pub fallbacks: u64,
 }
 
 /// Atomic batches one relay worker keeps open at once: a stream allows 50 open batches (all
@@ -290,21 +301,21 @@ pub const ATOMIC_IN_FLIGHT: usize = 4;
 /// Sends the batches of `window`, then awaits their commits, appending one result per message.
 async fn settle_window(
     js: &async_nats::jetstream::Context,
-    client: &async_nats::Client,
     batch_prefix: &str,
     window: Vec<(usize, Vec<Outgoing>)>,
-    results: &mut Vec<Result<PublishAck, PublishError>>,
+    into: &mut AtomicOutcome,
 ) {
     let mut commits = Vec::with_capacity(window.len());
     for (i, chunk) in &window {
-        commits.push(send_batch(js, client, &format!("{batch_prefix}-{i}"), chunk).await);
+        commits.push(send_batch(js, &format!("{batch_prefix}-{i}"), chunk).await);
     }
     for ((_, chunk), commit) in window.into_iter().zip(commits) {
-        let outcome = match commit {
+        let answer = match commit {
             Ok(ack) => ack.await,
             Err(error) => Err(error),
         };
-        match outcome {
+        let results = &mut into.results;
+        match answer {
             Ok(ack) => {
                 let count = chunk.len() as u64;
                 if ack.batch_size != Some(count) || ack.sequence < count {
@@ -315,12 +326,14 @@ async fn settle_window(
                     results.extend(publish_pipelined(js, chunk).await);
                     continue;
                 }
+                into.committed += 1;
                 let first = ack.sequence - count + 1;
                 results.extend(
                     (0..count).map(|i| Ok(PublishAck { sequence: first + i, duplicate: false, ..ack.clone() })),
                 );
             }
             Err(error) if is_batch_duplicate(&error) => {
+                into.fallbacks += 1;
                 tracing::debug!(
                     messages = chunk.len(),
                     "atomic batch holds an id the broker knows; publishing it per message"
@@ -339,10 +352,11 @@ async fn settle_window(
 /// Sends one atomic batch; returns the commit's PubAck future.
 async fn send_batch(
     js: &async_nats::jetstream::Context,
-    client: &async_nats::Client,
     batch_id: &str,
     chunk: &[Outgoing],
 ) -> Result<async_nats::jetstream::context::PublishAckFuture, PublishError> {
+    // The commit goes through `js`, on this same connection: the messages before it arrive first.
+    let client = js.client();
     use async_nats::header::{NATS_BATCH_COMMIT, NATS_BATCH_COMMIT_FINAL, NATS_BATCH_ID, NATS_BATCH_SEQUENCE};
     let (last, rest) = chunk.split_last().expect("chunks are not empty");
     for (i, msg) in rest.iter().enumerate() {

@@ -222,7 +222,6 @@ pub enum RelayError {
 #[derive(Debug, Clone)]
 pub struct Relay {
     pool: PgPool,
-    client: async_nats::Client,
     js: async_nats::jetstream::Context,
     /// How batches are published: [`PublishMode::Pipelined`] or [`PublishMode::Atomic`], as
     /// decided at startup from the setting, the server and the stream.
@@ -322,7 +321,6 @@ impl Relay {
         let metrics = RelayMetrics::register(&mut registry);
         Ok(Self {
             pool,
-            client,
             js,
             mode,
             batch_counter: Arc::default(),
@@ -417,7 +415,10 @@ impl Relay {
             _ if outgoing.is_empty() => Vec::new(),
             PublishMode::Atomic => {
                 let n = self.batch_counter.fetch_add(1, Ordering::Relaxed);
-                publisher::publish_atomic(&self.js, &self.client, &format!("{}-{n}", self.owner), outgoing).await
+                let atomic = publisher::publish_atomic(&self.js, &format!("{}-{n}", self.owner), outgoing).await;
+                self.metrics.atomic_batches.inc_by(atomic.committed);
+                self.metrics.atomic_fallbacks.inc_by(atomic.fallbacks);
+                atomic.results
             }
             _ => publisher::publish_pipelined(&self.js, outgoing).await,
         };

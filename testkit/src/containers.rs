@@ -230,8 +230,22 @@ impl Nats {
         Self::start_inner(args, storage, None).await
     }
 
+    /// Starts `nats-server -js` from another image than `HANDOFF_NATS_IMAGE` (another server
+    /// version, say).
+    pub async fn start_image(image_ref: &str) -> Result<Self> {
+        Self::start_from(image_ref.to_owned(), &NATS_DEFAULT_ARGS, Storage::Layer, None).await
+    }
+
     async fn start_inner(args: &[&str], storage: Storage, files: Option<(String, String)>) -> Result<Self> {
-        let image_ref = image_from_env("HANDOFF_NATS_IMAGE", DEFAULT_NATS_IMAGE);
+        Self::start_from(image_from_env("HANDOFF_NATS_IMAGE", DEFAULT_NATS_IMAGE), args, storage, files).await
+    }
+
+    async fn start_from(
+        image_ref: String,
+        args: &[&str],
+        storage: Storage,
+        files: Option<(String, String)>,
+    ) -> Result<Self> {
         let (name, tag) = split_image(&image_ref);
         let started = Instant::now();
         // The host port is chosen here and bound explicitly, so that it stays the same when

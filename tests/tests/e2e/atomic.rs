@@ -46,6 +46,8 @@ async fn a_backlog_goes_out_in_atomic_batches_with_every_rows_sequence_right() {
     }
     assert_eq!(env.stream_messages().await.unwrap(), 2_500);
     assert_eq!(sequences_match_the_stream(&env).await, 2_500);
+    assert_eq!(relay.metrics().atomic_batches.get(), 3, "1,000 + 1,000 + 500");
+    assert_eq!(relay.metrics().atomic_fallbacks.get(), 0);
 
     let consumer = env.consumer(env.consumer_settings()).await.unwrap();
     eventually("2,500 tasks", Duration::from_secs(60), || async {
@@ -78,8 +80,9 @@ async fn a_batch_holding_ids_the_broker_stored_is_published_per_message_with_the
             .unwrap();
         earlier.push((i, ack.sequence));
     }
-    let client = async_nats::connect(env.nats.url()).await.unwrap();
-    let results = publisher::publish_atomic(&env.js, &client, "test-batch", (0..30).map(message).collect()).await;
+    let outcome = publisher::publish_atomic(&env.js, "test-batch", (0..30).map(message).collect()).await;
+    assert_eq!((outcome.committed, outcome.fallbacks), (0, 1), "refused whole, then per message");
+    let results = outcome.results;
     assert_eq!(results.len(), 30);
     for (i, result) in results.iter().enumerate() {
         let ack = result.as_ref().unwrap();
@@ -110,6 +113,8 @@ async fn a_lost_commit_ack_is_settled_by_the_retry_without_a_second_copy() {
         duplicates += relay.publish_batch().await.unwrap().duplicates;
     }
     assert_eq!(duplicates, 300);
+    let fallbacks = relay.metrics().atomic_fallbacks.get();
+    assert_eq!(fallbacks, 1, "the re-claimed range was one batch refused whole");
     assert_eq!(env.stream_messages().await.unwrap(), 500);
     assert_eq!(sequences_match_the_stream(&env).await, 500);
     let consumer = env.consumer(env.consumer_settings()).await.unwrap();
@@ -136,4 +141,61 @@ async fn pipelined_mode_leaves_the_stream_without_atomic_batches_and_still_publi
     }
     assert_eq!(env.stream_messages().await.unwrap(), 1_200);
     assert_eq!(sequences_match_the_stream(&env).await, 1_200);
+}
+
+#[tokio::test]
+async fn on_a_server_before_2_15_auto_publishes_pipelined_and_atomic_still_works() {
+    let env = TestEnv::start().await.unwrap();
+    let image = std::env::var("HANDOFF_NATS_OLD_IMAGE").unwrap_or_else(|_| "handoff-test/nats:2.14.6".into());
+    let old = handoff_tests::Nats::start_image(&image).await.unwrap();
+    let old_js = async_nats::jetstream::new(async_nats::connect(old.url()).await.unwrap());
+    let relay_on = |mode: PublishMode, stream: String| {
+        let (env, old) = (&env, &old);
+        async move {
+            let pool = sqlx::PgPool::connect(&env.relay_url()).await.unwrap();
+            let client = async_nats::connect(old.url()).await.unwrap();
+            assert!(client.server_info().version.starts_with("2.14"), "{}", client.server_info().version);
+            let settings = RelaySettings { publish_mode: mode, ..env.relay_settings() };
+            handoff_relay::Relay::build(
+                pool,
+                client,
+                handoff_relay::StreamSettings { name: stream, ..env.stream_settings() },
+                settings,
+            )
+            .await
+            .unwrap()
+        }
+    };
+    let auto = relay_on(PublishMode::Auto, env.stream.clone()).await;
+    assert_eq!(auto.publish_mode(), PublishMode::Pipelined, "2.14 does not coalesce atomic syncs");
+    let info = old_js.get_stream(&env.stream).await.unwrap().cached_info().clone();
+    assert!(!info.config.allow_atomic_publish);
+    env.approve_many_via_sql(1, 500).await.unwrap();
+    while env.outbox().await.unwrap().published < 500 {
+        auto.publish_batch().await.unwrap();
+    }
+    assert_eq!(old_js.get_stream(&env.stream).await.unwrap().info().await.unwrap().state.messages, 500);
+
+    // Asked for explicitly, atomic batches work on 2.14 too (2.12+): the relay turns them on.
+    let atomic = relay_on(PublishMode::Atomic, env.stream.clone()).await;
+    assert_eq!(atomic.publish_mode(), PublishMode::Atomic);
+    assert!(old_js.get_stream(&env.stream).await.unwrap().cached_info().config.allow_atomic_publish);
+    env.approve_many_via_sql(501, 700).await.unwrap();
+    while env.outbox().await.unwrap().published < 1_200 {
+        atomic.publish_batch().await.unwrap();
+    }
+    assert_eq!(atomic.metrics().atomic_fallbacks.get(), 0);
+    assert!(atomic.metrics().atomic_batches.get() >= 1);
+    let rows: Vec<(String, i64)> =
+        sqlx::query_as("SELECT operation_key, stream_sequence FROM handoff.outbox WHERE state = 'published'")
+            .fetch_all(&env.producer_db)
+            .await
+            .unwrap();
+    let stream = old_js.get_stream(&env.stream).await.unwrap();
+    assert_eq!(stream.cached_info().state.messages, 1_200);
+    for (key, sequence) in rows {
+        let message = stream.get_raw_message(sequence as u64).await.unwrap();
+        assert_eq!(message.headers.get(handoff_shared::headers::MSG_ID).map(|v| v.as_str()), Some(key.as_str()));
+    }
+    drop(auto);
 }
