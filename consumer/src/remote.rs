@@ -7,7 +7,7 @@
 //! | 2xx | settled; the CRM's task id is the receipt | settle |
 //! | 409, or a 2xx whose hash is not ours | the key holds different content | review |
 //! | 400, 401, 403, 422 | permanent: retrying the same request cannot help | review |
-//! | 429 (honouring `Retry-After`), 503, connection refused | the CRM did not execute it | retry with backoff |
+//! | 429 (honouring `Retry-After`: seconds or an HTTP date), 503, connection refused | the CRM did not execute it | retry with backoff |
 //! | timeout, reset, 500, 502, 504 | the request may have been executed | unknown: read back first |
 
 use std::time::Duration;
@@ -196,8 +196,7 @@ impl HttpCrm {
                     .headers()
                     .get(reqwest::header::RETRY_AFTER)
                     .and_then(|v| v.to_str().ok())
-                    .and_then(|v| v.trim().parse::<u64>().ok())
-                    .map(Duration::from_secs);
+                    .and_then(|v| parse_retry_after(v, std::time::SystemTime::now()));
                 CreateOutcome::NotExecuted { retry_after, evidence }
             }
             // 500, 502, 504 and anything else: the request may have been processed.
@@ -282,5 +281,34 @@ fn describe(error: &reqwest::Error) -> String {
             source = cause.source();
         }
         text
+    }
+}
+
+/// A `Retry-After` value (RFC 9110 10.2.3): delay seconds, or an HTTP date (IMF-fixdate, and the
+/// obsolete RFC 850 and asctime forms recipients must accept), as the wait from `now`; a date in
+/// the past is no wait. `None` when it is neither.
+pub fn parse_retry_after(value: &str, now: std::time::SystemTime) -> Option<Duration> {
+    let value = value.trim();
+    if let Ok(seconds) = value.parse::<u64>() {
+        return Some(Duration::from_secs(seconds));
+    }
+    let at = httpdate::parse_http_date(value).ok()?;
+    Some(at.duration_since(now).unwrap_or(Duration::ZERO))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_is_read_as_seconds_or_as_an_http_date() {
+        let now = httpdate::parse_http_date("Sun, 06 Nov 1994 08:49:37 GMT").unwrap();
+        assert_eq!(parse_retry_after(" 120 ", now), Some(Duration::from_secs(120)));
+        assert_eq!(parse_retry_after("Sun, 06 Nov 1994 08:51:37 GMT", now), Some(Duration::from_secs(120)));
+        assert_eq!(parse_retry_after("Sunday, 06-Nov-94 08:50:37 GMT", now), Some(Duration::from_secs(60)));
+        assert_eq!(parse_retry_after("Sun Nov  6 08:49:47 1994", now), Some(Duration::from_secs(10)));
+        assert_eq!(parse_retry_after("Sun, 06 Nov 1994 08:00:00 GMT", now), Some(Duration::ZERO), "already past");
+        assert_eq!(parse_retry_after("soon", now), None);
+        assert_eq!(parse_retry_after("-5", now), None);
     }
 }
