@@ -23,7 +23,8 @@ pub mod state {
 /// acked once this is committed: from then on the database, not the broker, owns the retries.
 #[derive(Debug, Clone)]
 pub struct LedgerCrm {
-    /// The destination account, part of the ledger's unique (account, operation key).
+    /// The destination account, recorded on every ledger row (the ledger is unique per operation
+    /// key alone: one account per consumer database until the key includes the account).
     pub account: String,
 }
 
