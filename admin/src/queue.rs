@@ -4,6 +4,7 @@
 
 use anyhow::Result;
 use chrono::{DateTime, Utc};
+use handoff_consumer::remote::LedgerState;
 use handoff_consumer::review::{self, ExportFormat};
 use serde::Serialize;
 use sqlx::PgPool;
@@ -52,7 +53,7 @@ pub async fn list(consumer: Option<&PgPool>, producer: Option<&PgPool>, queues: 
     for &queue in queues {
         match queue {
             Queue::Unknown | Queue::Review => {
-                let state = if queue == Queue::Unknown { "unknown" } else { "review" };
+                let state = if queue == Queue::Unknown { LedgerState::Unknown } else { LedgerState::Review };
                 for r in review::list(consumer.ok_or_else(needs_consumer)?, &[state]).await? {
                     rows.push(QueueRow {
                         queue,

@@ -4,7 +4,8 @@
 use std::collections::BTreeMap;
 
 use anyhow::Result;
-use handoff_consumer::{inbox, ledger};
+use handoff_consumer::inbox;
+use handoff_consumer::remote::{LedgerState, ledger};
 use handoff_relay::outbox;
 use serde::Serialize;
 use sqlx::PgPool;
@@ -56,7 +57,7 @@ pub struct ConsumerStatus {
     /// Tasks in the local CRM store.
     pub local_tasks: i64,
     /// Remote-CRM ledger rows by state.
-    pub ledger: BTreeMap<String, i64>,
+    pub ledger: BTreeMap<LedgerState, i64>,
     pub conflicts: i64,
     pub dead_letters: i64,
     pub paused: Vec<String>,
@@ -156,8 +157,8 @@ pub async fn gather(
                 settled_without_person as f64 / actions as f64
             },
             duplicates,
-            uncertain_without_confirmation: ledger.get("unknown").copied().unwrap_or(0)
-                + ledger.get("review").copied().unwrap_or(0),
+            uncertain_without_confirmation: ledger.get(&LedgerState::Unknown).copied().unwrap_or(0)
+                + ledger.get(&LedgerState::Review).copied().unwrap_or(0),
         });
         status.consumer = Some(ConsumerStatus {
             inbox,
@@ -209,7 +210,7 @@ pub fn render(status: &Status) -> String {
         out += &format!("crm        local tasks {}  ledger {}\n", c.local_tasks, counts(&c.ledger));
         out += &format!(
             "queues     review {}  conflicts {}  dead letters {}\n",
-            c.ledger.get("review").copied().unwrap_or(0),
+            c.ledger.get(&LedgerState::Review).copied().unwrap_or(0),
             c.conflicts,
             c.dead_letters
         );
@@ -231,7 +232,7 @@ pub fn render(status: &Status) -> String {
     out
 }
 
-fn counts(map: &BTreeMap<String, i64>) -> String {
+fn counts<K: std::fmt::Display>(map: &BTreeMap<K, i64>) -> String {
     if map.is_empty() {
         return "empty".into();
     }

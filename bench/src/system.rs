@@ -508,7 +508,7 @@ pub async fn remote_drain(
     let all_settled = async || {
         let open: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM handoff_consumer.crm_operation
-              WHERE state IN ('received', 'dispatching', 'unknown', 'proved_not_executed')",
+              WHERE state IN ('received', 'dispatching', 'unknown', 'proved_not_executed', 'replay')",
         )
         .fetch_one(&db.pool)
         .await?;

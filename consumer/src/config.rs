@@ -13,8 +13,8 @@ use handoff_shared::observe::HttpAddr;
 use handoff_shared::signing::SignaturePolicy;
 use handoff_shared::subject::Subjects;
 
-use crate::dispatcher::DispatchSettings;
-use crate::remote::{Capability, HttpCrmSettings};
+use crate::remote::dispatcher::DispatchSettings;
+use crate::remote::{Adapter, Capability, HttpSettings, NonExecution, RemoteCrm};
 use crate::{ConsumerSettings, SubscriptionSettings};
 
 /// JetStream's own default (1,000) lets only four replicas of 250 messages work at once; 10,000
@@ -174,6 +174,26 @@ pub struct CrmArgs {
         default_value = "default"
     )]
     pub account: String,
+    /// Which API shape the remote CRM speaks (the adapter).
+    #[arg(
+        id = "crm_adapter",
+        value_name = "ADAPTER",
+        long = "crm-adapter",
+        env = "HANDOFF_CRM_ADAPTER",
+        value_enum,
+        default_value = "tasks-api"
+    )]
+    pub adapter: Adapter,
+    /// Which answers prove the CRM did not execute a create, comma-separated: `connect-failure`
+    /// and HTTP statuses the CRM documents as refused before any work (e.g. 429,503), or `none`.
+    /// Anything else is unknown and read back first; behind a gateway a 503 proves nothing.
+    #[arg(
+        long = "crm-not-executed",
+        env = "HANDOFF_CRM_NOT_EXECUTED",
+        value_name = "RULE",
+        default_value = "connect-failure"
+    )]
+    pub not_executed: NonExecution,
     /// What the CRM offers to prove an outcome: decides how unknown outcomes are resolved.
     #[arg(
         id = "crm_capability",
@@ -242,7 +262,9 @@ impl std::fmt::Debug for CrmArgs {
             .field("url", &self.url.as_deref().map(handoff_shared::config::redact_url))
             .field("token", &"<redacted>")
             .field("account", &self.account)
+            .field("adapter", &self.adapter)
             .field("capability", &self.capability)
+            .field("not_executed", &self.not_executed.to_string())
             .field("timeout_ms", &self.timeout_ms)
             .field("in_flight", &self.in_flight)
             .finish_non_exhaustive()
@@ -264,21 +286,26 @@ impl CrmArgs {
         }
     }
 
-    /// The HTTP adapter these flags describe.
-    pub fn http_settings(&self) -> anyhow::Result<HttpCrmSettings> {
+    /// The adapter these flags describe, ready to call the CRM.
+    pub fn connect(&self) -> anyhow::Result<std::sync::Arc<dyn RemoteCrm>> {
+        crate::remote::connect(self.adapter, self.http_settings()?, self.capability())
+    }
+
+    /// The HTTP settings these flags describe.
+    pub fn http_settings(&self) -> anyhow::Result<HttpSettings> {
         let timeout = Duration::from_millis(self.timeout_ms);
         // The lease covers the claim, the call and recording the decision: the timeout plus margin.
         anyhow::ensure!(
             self.lease_secs.is_finite() && self.lease_secs >= timeout.as_secs_f64() + LEASE_MARGIN_SECS,
             "--crm-lease-secs must be at least --crm-timeout-ms plus {LEASE_MARGIN_SECS}s, or a live call could be taken over"
         );
-        Ok(HttpCrmSettings {
+        Ok(HttpSettings {
             base_url: self.url.clone().ok_or_else(|| anyhow::anyhow!("--crm-url is required with --crm http"))?,
             token: self.token.clone(),
             account: self.account.clone(),
-            capability: self.capability(),
             timeout,
             connect_timeout: timeout.min(Duration::from_secs(5)),
+            not_executed: self.not_executed.clone(),
         })
     }
 

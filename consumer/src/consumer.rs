@@ -28,6 +28,7 @@ use tokio_util::sync::CancellationToken;
 use crate::crm::{Crm, TaskOutcome, TaskRequest};
 use crate::inbox::{self, Arrival, DeadLetter, ReviewItem};
 use crate::metrics::{ConsumerMetrics, outcome};
+use crate::remote::LedgerState;
 
 /// How the consumer batches, retries and gives up.
 #[derive(Debug, Clone)]
@@ -688,11 +689,11 @@ impl<C: Crm + 'static> Consumer<C> {
         m.ack_pending_messages.set(info.num_ack_pending as i64);
         m.redelivered_messages.set(info.num_redelivered as i64);
         for state in crate::metrics::SAMPLED_LEDGER_STATES {
-            let rows = depths.ledger.get(state).copied().unwrap_or(0);
-            m.ledger_rows.get_or_create(&crate::metrics::StateLabel { state }).set(rows);
+            let rows = depths.ledger.get(&state).copied().unwrap_or(0);
+            m.ledger_rows.get_or_create(&crate::metrics::StateLabel { state: state.as_str() }).set(rows);
         }
         m.oldest_unknown_age.set(depths.oldest_unknown_s);
-        m.review_rows.set(depths.ledger.get("review").copied().unwrap_or(0));
+        m.review_rows.set(depths.ledger.get(&LedgerState::Review).copied().unwrap_or(0));
         m.conflict_rows.set(depths.conflicts);
         m.dead_letter_rows.set(depths.dead_letters);
         m.paused_action_types.set(depths.paused);
@@ -715,8 +716,8 @@ impl<C: Crm + 'static> Consumer<C> {
                         created = created - created_before,
                         pending_messages = sample.pending_messages,
                         undecided_ledger_rows =
-                            sample.ledger.iter().filter(|(s, _)| **s != "review").map(|(_, n)| n).sum::<i64>(),
-                        review = sample.ledger.get("review").copied().unwrap_or(0),
+                            sample.ledger.iter().filter(|(s, _)| !s.is_decided()).map(|(_, n)| n).sum::<i64>(),
+                        review = sample.ledger.get(&LedgerState::Review).copied().unwrap_or(0),
                         conflicts = sample.conflicts,
                         dead_letters = sample.dead_letters,
                         "progress"

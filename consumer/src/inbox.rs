@@ -167,7 +167,7 @@ pub async fn count_rows(pool: &PgPool) -> Result<ConsumerCounts, sqlx::Error> {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct DepthSample {
     /// Ledger rows not settled, by state (`review` included).
-    pub ledger: std::collections::BTreeMap<&'static str, i64>,
+    pub ledger: std::collections::BTreeMap<crate::remote::LedgerState, i64>,
     /// Age of the oldest unknown outcome, seconds (0 when none).
     pub oldest_unknown_s: f64,
     /// Unresolved conflicts.
@@ -186,12 +186,13 @@ pub async fn sample_depths(pool: &PgPool) -> Result<DepthSample, sqlx::Error> {
         WITH undecided AS MATERIALIZED (
             -- The dispatcher's partial index holds exactly these rows.
             SELECT state, unknown_since FROM handoff_consumer.crm_operation
-             WHERE state IN ('received', 'dispatching', 'unknown', 'proved_not_executed')
+             WHERE state IN ('received', 'dispatching', 'unknown', 'proved_not_executed', 'replay')
         )
         SELECT (SELECT count(*) FROM undecided WHERE state = 'received') AS received,
                (SELECT count(*) FROM undecided WHERE state = 'dispatching') AS dispatching,
                (SELECT count(*) FROM undecided WHERE state = 'unknown') AS unknown,
                (SELECT count(*) FROM undecided WHERE state = 'proved_not_executed') AS proved_not_executed,
+               (SELECT count(*) FROM undecided WHERE state = 'replay') AS replay,
                (SELECT count(*) FROM handoff_consumer.crm_operation WHERE state = 'review') AS review,
                COALESCE((SELECT extract(epoch FROM now() - min(unknown_since))::float8 FROM undecided
                           WHERE state = 'unknown'), 0) AS oldest_unknown_s,
@@ -204,6 +205,7 @@ pub async fn sample_depths(pool: &PgPool) -> Result<DepthSample, sqlx::Error> {
         dispatching: i64,
         unknown: i64,
         proved_not_executed: i64,
+        replay: i64,
         review: i64,
         oldest_unknown_s: f64,
         conflicts: i64,
@@ -211,12 +213,14 @@ pub async fn sample_depths(pool: &PgPool) -> Result<DepthSample, sqlx::Error> {
         paused: i64,
     }
     let row: Row = sqlx::query_as(SAMPLE_DEPTHS).fetch_one(pool).await?;
+    use crate::remote::LedgerState;
     let ledger = [
-        ("received", row.received),
-        ("dispatching", row.dispatching),
-        ("unknown", row.unknown),
-        ("proved_not_executed", row.proved_not_executed),
-        ("review", row.review),
+        (LedgerState::Received, row.received),
+        (LedgerState::Dispatching, row.dispatching),
+        (LedgerState::Unknown, row.unknown),
+        (LedgerState::ProvedNotExecuted, row.proved_not_executed),
+        (LedgerState::Replay, row.replay),
+        (LedgerState::Review, row.review),
     ]
     .into_iter()
     .collect();

@@ -2,8 +2,9 @@
 //!
 //! * [`inbox`] owns the consumer's tables and their batched statements.
 //! * [`crm`] is the CRM boundary ([`crm::Crm`]) and the local store ([`crm::LocalCrm`]).
-//! * [`ledger`], [`dispatcher`] and [`remote`] are the remote-CRM path: the ledger row is written
-//!   in the intake transaction, the dispatcher calls the CRM over HTTP and proves every outcome.
+//! * [`remote`] is the remote-CRM path: the ledger row is written in the intake transaction
+//!   ([`remote::ledger::LedgerCrm`]), the dispatcher calls the CRM through an adapter
+//!   ([`remote::RemoteCrm`]) and proves every outcome by seed 004's table ([`remote::decide`]).
 //! * [`review`] is the operators' queue (the `handoff-review` binary).
 //! * [`subscription`] binds the durable pull consumer the replicas share.
 //! * [`consumer`] orchestrates verify -> one transaction -> commit -> ack, and the run loop.
@@ -12,9 +13,7 @@
 pub mod config;
 pub mod consumer;
 pub mod crm;
-pub mod dispatcher;
 pub mod inbox;
-pub mod ledger;
 pub mod metrics;
 pub mod remote;
 pub mod review;

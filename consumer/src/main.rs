@@ -3,9 +3,8 @@
 
 use clap::Parser;
 use handoff_consumer::config::{ConsumerConfig, CrmMode};
-use handoff_consumer::dispatcher::Dispatcher;
-use handoff_consumer::ledger::LedgerCrm;
-use handoff_consumer::remote::HttpCrm;
+use handoff_consumer::remote::dispatcher::Dispatcher;
+use handoff_consumer::remote::ledger::LedgerCrm;
 use handoff_consumer::{Consumer, LocalCrm};
 use handoff_shared::config::{ServiceCommand, run_healthcheck, run_migrate};
 use handoff_shared::observe::Endpoint;
@@ -53,7 +52,7 @@ async fn run(config: ConsumerConfig) -> anyhow::Result<()> {
             consumer.run_until_stopped(token).await?;
         }
         CrmMode::Http => {
-            let crm = HttpCrm::new(config.crm.http_settings()?)?;
+            let crm = config.crm.connect()?;
             let ledger = LedgerCrm { account: config.crm.account.clone() };
             let consumer = Consumer::build(pool.clone(), client.clone(), &subscription, ledger, settings).await?;
             serve_endpoint(&config, consumer.endpoint(), &token).await?;

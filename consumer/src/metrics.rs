@@ -17,6 +17,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::{Registry, Unit};
 
+use crate::remote::LedgerState;
+
 /// `action="namespace:action", outcome="created"`.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct MessageLabels {
@@ -90,7 +92,14 @@ pub struct ConsumerMetrics {
 
 /// The ledger states sampled into `handoff_ledger_rows` (settled rows are history: they are
 /// counted by `handoff_crm_calls_total`, not sampled).
-pub const SAMPLED_LEDGER_STATES: [&str; 5] = ["received", "dispatching", "unknown", "proved_not_executed", "review"];
+pub const SAMPLED_LEDGER_STATES: [LedgerState; 6] = [
+    LedgerState::Received,
+    LedgerState::Dispatching,
+    LedgerState::Unknown,
+    LedgerState::ProvedNotExecuted,
+    LedgerState::Replay,
+    LedgerState::Review,
+];
 
 fn histogram() -> Histogram {
     Histogram::new(handoff_shared::observe::duration_buckets())
@@ -199,7 +208,7 @@ impl ConsumerMetrics {
             m.sample_errors,
         );
         for state in SAMPLED_LEDGER_STATES {
-            let _ = metrics.ledger_rows.get_or_create(&StateLabel { state });
+            let _ = metrics.ledger_rows.get_or_create(&StateLabel { state: state.as_str() });
         }
         metrics
     }

@@ -6,41 +6,9 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 use sqlx::PgPool;
 
-use crate::ledger::{self, Event, state};
-
-/// One ledger row as an operator sees it (and as it is exported).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow)]
-pub struct ReviewRow {
-    pub operation_key: String,
-    pub state: String,
-    pub attempts: i32,
-    /// The CRM's task id, or the receipt an operator recorded.
-    pub receipt_ref: Option<String>,
-    pub note: Option<String>,
-    pub created_at: DateTime<Utc>,
-    pub updated_at: DateTime<Utc>,
-}
-
-/// One event of a key's history.
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
-pub struct EventRow {
-    pub kind: String,
-    pub replica: Option<String>,
-    pub attempt: Option<i32>,
-    pub evidence: String,
-    pub state_after: String,
-    pub at: DateTime<Utc>,
-}
-
-/// One operator resolution.
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
-pub struct AuditRow {
-    pub actor: String,
-    pub action: String,
-    pub reason: String,
-    pub receipt: Option<String>,
-    pub at: DateTime<Utc>,
-}
+use crate::remote::LedgerState;
+use crate::remote::ledger::{self, Event};
+pub use crate::remote::ledger::{AuditRow, EventRow, ReviewRow};
 
 /// A dead-lettered message, without its body.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
@@ -69,7 +37,7 @@ pub enum ReviewError {
     NotFound(String),
     /// Only undecided rows that no replica is working on can be resolved by a person.
     #[error("operation key {key} is {state}{}; only unknown or review rows not held by a replica can be resolved", if *.leased { " and leased by a replica" } else { "" })]
-    NotResolvable { key: String, state: String, leased: bool },
+    NotResolvable { key: String, state: LedgerState, leased: bool },
     /// Every resolution names who made it and why.
     #[error("{0} must not be empty")]
     Missing(&'static str),
@@ -80,19 +48,6 @@ pub enum ReviewError {
     AlreadyResolved(&'static str, i64),
     #[error("review database error")]
     Database(#[from] sqlx::Error),
-}
-
-/// Ledger rows in these states, oldest first.
-pub async fn list(pool: &PgPool, states: &[&str]) -> Result<Vec<ReviewRow>, sqlx::Error> {
-    sqlx::query_as(
-        r#"SELECT operation_key, state, attempts, crm_task_id AS receipt_ref, note, created_at, updated_at
-             FROM handoff_consumer.crm_operation
-            WHERE state = ANY($1::text[])
-            ORDER BY created_at, operation_key"#,
-    )
-    .bind(states)
-    .fetch_all(pool)
-    .await
 }
 
 /// Unresolved dead letters, oldest first.
@@ -138,28 +93,15 @@ pub struct History {
 
 /// The full history of one key.
 pub async fn history(pool: &PgPool, key: &str) -> Result<History, ReviewError> {
-    let operation: ReviewRow = sqlx::query_as(
-        r#"SELECT operation_key, state, attempts, crm_task_id AS receipt_ref, note, created_at, updated_at
-             FROM handoff_consumer.crm_operation WHERE operation_key = $1"#,
-    )
-    .bind(key)
-    .fetch_optional(pool)
-    .await?
-    .ok_or_else(|| ReviewError::NotFound(key.to_owned()))?;
-    let events = sqlx::query_as(
-        r#"SELECT kind, replica, attempt, evidence, state_after, at
-             FROM handoff_consumer.crm_event WHERE operation_key = $1 ORDER BY id"#,
-    )
-    .bind(key)
-    .fetch_all(pool)
-    .await?;
-    let audit = sqlx::query_as(
-        r#"SELECT actor, action, reason, receipt, at FROM handoff_consumer.audit WHERE operation_key = $1 ORDER BY id"#,
-    )
-    .bind(key)
-    .fetch_all(pool)
-    .await?;
+    let operation = ledger::operation(pool, key).await?.ok_or_else(|| ReviewError::NotFound(key.to_owned()))?;
+    let events = ledger::events(pool, key).await?;
+    let audit = ledger::audit_trail(pool, key).await?;
     Ok(History { operation, events, audit })
+}
+
+/// Ledger rows in these states, oldest first.
+pub async fn list(pool: &PgPool, states: &[LedgerState]) -> Result<Vec<ReviewRow>, sqlx::Error> {
+    ledger::list(pool, states).await
 }
 
 /// A person found the task in the CRM: record its receipt and settle the key.
@@ -173,13 +115,13 @@ pub async fn resolve_with_receipt(
     if receipt.trim().is_empty() {
         return Err(ReviewError::Missing("receipt"));
     }
-    resolve(pool, key, actor, reason, "record_receipt", Some(receipt), state::SETTLED).await
+    resolve(pool, key, actor, reason, "record_receipt", Some(receipt), LedgerState::Settled).await
 }
 
 /// A person proved the CRM never executed the action: allow exactly one new attempt with the same
 /// key and the same approved payload (a changed payload needs a new approval and a new key).
 pub async fn approve_new_attempt(pool: &PgPool, key: &str, actor: &str, reason: &str) -> Result<(), ReviewError> {
-    resolve(pool, key, actor, reason, "approve_new_attempt", None, state::PROVED_NOT_EXECUTED).await
+    resolve(pool, key, actor, reason, "approve_new_attempt", None, LedgerState::ProvedNotExecuted).await
 }
 
 async fn resolve(
@@ -189,49 +131,29 @@ async fn resolve(
     reason: &str,
     action: &'static str,
     receipt: Option<&str>,
-    new_state: &'static str,
+    new_state: LedgerState,
 ) -> Result<(), ReviewError> {
     require(actor, reason)?;
     let mut tx = pool.begin().await?;
-    // Lock the row so a dispatcher cannot claim it between the check and the update.
-    let current: Option<(String, bool)> = sqlx::query_as(
-        r#"SELECT state, (lease_owner IS NOT NULL AND lease_until > now()) AS leased
-             FROM handoff_consumer.crm_operation WHERE operation_key = $1 FOR UPDATE"#,
-    )
-    .bind(key)
-    .fetch_optional(&mut *tx)
-    .await?;
-    let Some((current, leased)) = current else { return Err(ReviewError::NotFound(key.to_owned())) };
-    if leased || !(current == state::UNKNOWN || current == state::REVIEW) {
+    // Locked, so a dispatcher cannot claim it between the check and the update.
+    let Some((current, leased)) = ledger::lock_for_resolution(&mut tx, key).await? else {
+        return Err(ReviewError::NotFound(key.to_owned()));
+    };
+    if leased || !matches!(current, LedgerState::Unknown | LedgerState::Review) {
         return Err(ReviewError::NotResolvable { key: key.to_owned(), state: current, leased });
     }
     let note = format!("{action} by {actor}: {reason}");
-    sqlx::query(
-        r#"UPDATE handoff_consumer.crm_operation
-              SET state = $2, next_attempt_at = now(), lease_owner = NULL, lease_until = NULL,
-                  crm_task_id = COALESCE($3, crm_task_id),
-                  proof = CASE WHEN $3 IS NULL THEN proof ELSE 'operator_receipt' END,
-                  note = $4, updated_at = now()
-            WHERE operation_key = $1"#,
-    )
-    .bind(key)
-    .bind(new_state)
-    .bind(receipt)
-    .bind(&note)
-    .execute(&mut *tx)
-    .await?;
-    sqlx::query(
-        "INSERT INTO handoff_consumer.audit (operation_key, actor, action, reason, receipt) VALUES ($1, $2, $3, $4, $5)",
-    )
-    .bind(key)
-    .bind(actor.trim())
-    .bind(action)
-    .bind(reason.trim())
-    .bind(receipt)
-    .execute(&mut *tx)
-    .await?;
-    ledger::insert_event(&mut tx, key, &Event { kind: "operator", attempt: None, evidence: &note }, None, new_state)
+    ledger::apply_resolution(&mut tx, key, new_state, receipt, &note).await?;
+    ledger::insert_audit(&mut tx, &ledger::Audit { key: Some(key), action_type: None, actor, action, reason, receipt })
         .await?;
+    ledger::insert_event(
+        &mut tx,
+        key,
+        &Event { kind: "operator", attempt: None, evidence: &note },
+        None,
+        new_state.as_str(),
+    )
+    .await?;
     tx.commit().await?;
     Ok(())
 }
@@ -252,7 +174,7 @@ pub fn export(rows: &[ReviewRow], format: ExportFormat) -> anyhow::Result<String
             for r in rows {
                 let fields = [
                     r.operation_key.clone(),
-                    r.state.clone(),
+                    r.state.to_string(),
                     r.attempts.to_string(),
                     r.receipt_ref.clone().unwrap_or_default(),
                     r.note.clone().unwrap_or_default(),
@@ -465,7 +387,7 @@ pub async fn pause(pool: &PgPool, action_type: &str, actor: &str, reason: &str) 
     .await?
     .rows_affected()
         > 0;
-    audit(&mut tx, None, Some(action_type), actor, "pause", reason).await?;
+    ledger::insert_audit(&mut tx, &ledger::Audit::on_type(action_type, actor, "pause", reason)).await?;
     tx.commit().await?;
     Ok(added)
 }
@@ -480,10 +402,10 @@ pub async fn resume(pool: &PgPool, action_type: &str, actor: &str, reason: &str)
         .await?
         .rows_affected()
         > 0;
-    audit(&mut tx, None, Some(action_type), actor, "resume", reason).await?;
+    ledger::insert_audit(&mut tx, &ledger::Audit::on_type(action_type, actor, "resume", reason)).await?;
     tx.commit().await?;
     // Wake the dispatchers: the rows are due already.
-    sqlx::query("SELECT pg_notify($1, '')").bind(crate::dispatcher::NOTIFY_CHANNEL).execute(pool).await?;
+    sqlx::query("SELECT pg_notify($1, '')").bind(crate::remote::dispatcher::NOTIFY_CHANNEL).execute(pool).await?;
     Ok(removed)
 }
 
@@ -494,28 +416,6 @@ fn require(actor: &str, reason: &str) -> Result<(), ReviewError> {
     if reason.trim().is_empty() {
         return Err(ReviewError::Missing("reason"));
     }
-    Ok(())
-}
-
-/// An operator action on a key or on a whole action type.
-async fn audit(
-    conn: &mut sqlx::PgConnection,
-    key: Option<&str>,
-    action_type: Option<&str>,
-    actor: &str,
-    action: &str,
-    reason: &str,
-) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "INSERT INTO handoff_consumer.audit (operation_key, action_type, actor, action, reason) VALUES ($1, $2, $3, $4, $5)",
-    )
-    .bind(key)
-    .bind(action_type)
-    .bind(actor.trim())
-    .bind(action)
-    .bind(reason.trim())
-    .execute(&mut *conn)
-    .await?;
     Ok(())
 }
 
@@ -555,7 +455,7 @@ pub async fn resolve_conflict(pool: &PgPool, id: i64, actor: &str, reason: &str)
     .bind(reason.trim())
     .execute(&mut *tx)
     .await?;
-    audit(&mut tx, Some(&key), None, actor, "resolve_conflict", reason).await?;
+    ledger::insert_audit(&mut tx, &ledger::Audit::on_key(&key, actor, "resolve_conflict", reason)).await?;
     tx.commit().await?;
     conflict(pool, id).await
 }
@@ -618,15 +518,16 @@ pub async fn request_replay(pool: &PgPool, id: i64, actor: &str, reason: &str) -
     .bind(actor.trim())
     .execute(&mut *tx)
     .await?;
-    audit(
-        &mut tx,
-        message_id.as_deref(),
-        None,
+    let reason = format!("dead letter {id}: {}", reason.trim());
+    let audit = ledger::Audit {
+        key: message_id.as_deref(),
+        action_type: None,
         actor,
-        "replay_dead_letter",
-        &format!("dead letter {id}: {}", reason.trim()),
-    )
-    .await?;
+        action: "replay_dead_letter",
+        reason: &reason,
+        receipt: None,
+    };
+    ledger::insert_audit(&mut tx, &audit).await?;
     tx.commit().await?;
     Ok(())
 }

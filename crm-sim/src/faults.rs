@@ -50,6 +50,10 @@ pub enum FaultKind {
     LoseReplyAfterCommit,
     /// `fail_before_commit`: 503 `{"error":"unavailable"}` to a create, nothing stored.
     FailBeforeCommit,
+    /// `gateway_503_after_commit`: the create is processed and committed as usual, then answered
+    /// 503 `{"error":"unavailable"}`, as a gateway or load balancer does when the backend's reply
+    /// is lost after it committed. A 503 is no proof of non-execution.
+    Gateway503AfterCommit,
     /// `readback_unavailable`: 503 `{"error":"unavailable"}` on the by-key, by-external-id and
     /// query endpoints. The only kind that applies to reads; creates are unaffected.
     ReadbackUnavailable,
@@ -66,6 +70,11 @@ pub enum FaultKind {
     /// `reset_before_commit`: the connection of a create is closed without any response,
     /// nothing stored.
     ResetBeforeCommit,
+    /// `hold_until_released`: a create waits, unprocessed, until the holds are released
+    /// (`POST /_admin/faults/release`, [`Faults::release_held`]), then is processed and answered
+    /// as usual; if the client gives up meanwhile the request is abandoned and nothing is stored.
+    /// [`Faults::held`] tells how many wait, so a test can act while a reply is outstanding.
+    HoldUntilReleased,
 }
 
 /// Which kind of endpoint a request hit, for deciding which faults apply to it.
@@ -88,6 +97,10 @@ impl FaultKind {
 #[derive(Default)]
 pub struct Faults {
     active: Mutex<Vec<Fault>>,
+    /// Bumped by each release: a held request waits for the next value.
+    releases: tokio::sync::watch::Sender<u64>,
+    /// Requests held right now.
+    held: std::sync::atomic::AtomicUsize,
 }
 
 impl fmt::Debug for Faults {
@@ -138,6 +151,34 @@ impl Faults {
         Some(kind)
     }
 
+    /// Releases every request held by [`FaultKind::HoldUntilReleased`] now; later ones wait for
+    /// the next release.
+    pub fn release_held(&self) {
+        self.releases.send_modify(|n| *n += 1);
+        tracing::info!("held requests released");
+    }
+
+    /// How many requests are held right now.
+    pub fn held(&self) -> usize {
+        self.held.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Waits until the next [`Faults::release_held`]. Dropped (the client gave up): no longer held.
+    pub(crate) async fn hold(&self) {
+        struct Held<'a>(&'a std::sync::atomic::AtomicUsize);
+        impl Drop for Held<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        let mut releases = self.releases.subscribe();
+        releases.borrow_and_update();
+        self.held.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let _held = Held(&self.held);
+        // The sender lives as long as `self`, so this only ends by a release.
+        let _ = releases.changed().await;
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Fault>> {
         // The list is only ever pushed to, cleared or edited in place under the lock, so a
         // panic elsewhere cannot leave it half-updated: a poisoned lock is safe to reuse.
@@ -166,12 +207,15 @@ struct FaultWire {
 enum KindName {
     LoseReplyAfterCommit,
     FailBeforeCommit,
+    #[serde(rename = "gateway_503_after_commit")]
+    Gateway503AfterCommit,
     ReadbackUnavailable,
     Slow,
     RateLimited,
     ValidationError,
     AuthError,
     ResetBeforeCommit,
+    HoldUntilReleased,
 }
 
 /// Why a fault's JSON was refused.
@@ -202,10 +246,12 @@ impl TryFrom<FaultWire> for Fault {
             KindName::RateLimited => ("rate_limited", Some("retry_after_ms")),
             KindName::LoseReplyAfterCommit => ("lose_reply_after_commit", None),
             KindName::FailBeforeCommit => ("fail_before_commit", None),
+            KindName::Gateway503AfterCommit => ("gateway_503_after_commit", None),
             KindName::ReadbackUnavailable => ("readback_unavailable", None),
             KindName::ValidationError => ("validation_error", None),
             KindName::AuthError => ("auth_error", None),
             KindName::ResetBeforeCommit => ("reset_before_commit", None),
+            KindName::HoldUntilReleased => ("hold_until_released", None),
         };
         for (field, present) in
             [("delay_ms", wire.delay_ms.is_some()), ("retry_after_ms", wire.retry_after_ms.is_some())]
@@ -225,10 +271,12 @@ impl TryFrom<FaultWire> for Fault {
             },
             KindName::LoseReplyAfterCommit => FaultKind::LoseReplyAfterCommit,
             KindName::FailBeforeCommit => FaultKind::FailBeforeCommit,
+            KindName::Gateway503AfterCommit => FaultKind::Gateway503AfterCommit,
             KindName::ReadbackUnavailable => FaultKind::ReadbackUnavailable,
             KindName::ValidationError => FaultKind::ValidationError,
             KindName::AuthError => FaultKind::AuthError,
             KindName::ResetBeforeCommit => FaultKind::ResetBeforeCommit,
+            KindName::HoldUntilReleased => FaultKind::HoldUntilReleased,
         };
         Ok(Self { target: wire.target, kind, times: wire.times })
     }
@@ -240,12 +288,14 @@ impl From<Fault> for FaultWire {
         let (kind, delay_ms, retry_after_ms) = match fault.kind {
             FaultKind::LoseReplyAfterCommit => (KindName::LoseReplyAfterCommit, None, None),
             FaultKind::FailBeforeCommit => (KindName::FailBeforeCommit, None, None),
+            FaultKind::Gateway503AfterCommit => (KindName::Gateway503AfterCommit, None, None),
             FaultKind::ReadbackUnavailable => (KindName::ReadbackUnavailable, None, None),
             FaultKind::Slow(delay) => (KindName::Slow, Some(millis(delay)), None),
             FaultKind::RateLimited { retry_after } => (KindName::RateLimited, None, Some(millis(retry_after))),
             FaultKind::ValidationError => (KindName::ValidationError, None, None),
             FaultKind::AuthError => (KindName::AuthError, None, None),
             FaultKind::ResetBeforeCommit => (KindName::ResetBeforeCommit, None, None),
+            FaultKind::HoldUntilReleased => (KindName::HoldUntilReleased, None, None),
         };
         Self { target: fault.target, kind, times: fault.times, delay_ms, retry_after_ms }
     }
@@ -262,12 +312,14 @@ mod tests {
         for kind in [
             FaultKind::LoseReplyAfterCommit,
             FaultKind::FailBeforeCommit,
+            FaultKind::Gateway503AfterCommit,
             FaultKind::ReadbackUnavailable,
             FaultKind::Slow(Duration::from_millis(500)),
             FaultKind::RateLimited { retry_after: Duration::from_millis(2000) },
             FaultKind::ValidationError,
             FaultKind::AuthError,
             FaultKind::ResetBeforeCommit,
+            FaultKind::HoldUntilReleased,
         ] {
             let fault = Fault { target: Some("k".into()), kind, times: Some(2) };
             let text = serde_json::to_string(&fault).expect("serializes");

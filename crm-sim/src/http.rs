@@ -37,6 +37,7 @@ pub(crate) fn router(sim: Arc<Inner>) -> Router {
         .route_layer(middleware::from_fn_with_state(sim.clone(), add_latency));
     let admin = Router::new()
         .route("/_admin/faults", get(list_faults).post(inject_fault).delete(clear_faults))
+        .route("/_admin/faults/release", post(release_held))
         .route("/_admin/effects", get(effects))
         .route("/_admin/traces", get(traces))
         .route("/_admin/tasks", post(seed_task));
@@ -184,9 +185,10 @@ async fn create_task(State(sim): State<Arc<Inner>>, headers: HeaderMap, body: By
     // Faults are matched before validation, on the key or else the external id, so that an
     // injected 401/429/503 answers whatever the body says.
     let target = key.clone().or_else(|| parsed.as_ref().ok().map(|(task, _)| task.external_id.clone()));
-    let lose_reply = match sim.faults.take(target.as_deref(), Endpoint::Create) {
-        None | Some(FaultKind::ReadbackUnavailable) => false,
-        Some(FaultKind::LoseReplyAfterCommit) => true,
+    let (lose_reply, gateway_503) = match sim.faults.take(target.as_deref(), Endpoint::Create) {
+        None | Some(FaultKind::ReadbackUnavailable) => (false, false),
+        Some(FaultKind::LoseReplyAfterCommit) => (true, false),
+        Some(FaultKind::Gateway503AfterCommit) => (false, true),
         Some(FaultKind::FailBeforeCommit) => return ApiError::Unavailable.into_response(),
         Some(FaultKind::RateLimited { retry_after }) => return ApiError::RateLimited { retry_after }.into_response(),
         Some(FaultKind::ValidationError) => {
@@ -194,13 +196,21 @@ async fn create_task(State(sim): State<Arc<Inner>>, headers: HeaderMap, body: By
         }
         Some(FaultKind::AuthError) => return ApiError::Unauthorized.into_response(),
         Some(FaultKind::ResetBeforeCommit) => return drop_connection(),
+        Some(FaultKind::HoldUntilReleased) => {
+            // As with `slow`: a client that gives up drops this future before anything is stored.
+            tokio::select! {
+                () = sim.faults.hold() => {}
+                () = sim.stopping.cancelled() => return drop_connection(),
+            }
+            (false, false)
+        }
         Some(FaultKind::Slow(delay)) => {
             // If the client gives up during the delay, hyper sees the connection close and drops
             // this future: the request is abandoned before anything is stored.
             if sim.pause(delay).await.is_err() {
                 return drop_connection();
             }
-            false
+            (false, false)
         }
     };
     let new = match parsed {
@@ -224,6 +234,10 @@ async fn create_task(State(sim): State<Arc<Inner>>, headers: HeaderMap, body: By
         // shutdown ends the hold early (same outcome for the client: no reply).
         let _ = sim.pause(sim.config.lost_reply_hold).await;
         return drop_connection();
+    }
+    if gateway_503 {
+        tracing::info!(external_id = %new.external_id, key = ?key, "answering 503 after the commit (gateway fault)");
+        return ApiError::Unavailable.into_response();
     }
     match outcome {
         Ok(Created::New(task)) => (StatusCode::CREATED, Json(TaskReply { task, replayed: false })).into_response(),
@@ -324,6 +338,13 @@ async fn inject_fault(State(sim): State<Arc<Inner>>, body: Bytes) -> Response {
         }
         Err(err) => ApiError::Validation(err.to_string()).into_response(),
     }
+}
+
+/// `POST /_admin/faults/release`: releases the held requests; answers how many were held.
+async fn release_held(State(sim): State<Arc<Inner>>) -> Json<serde_json::Value> {
+    let held = sim.faults.held();
+    sim.faults.release_held();
+    Json(serde_json::json!({ "released": held }))
 }
 
 /// `DELETE /_admin/faults`.

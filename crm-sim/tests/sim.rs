@@ -317,6 +317,38 @@ async fn fail_before_commit_is_503_with_nothing_stored() -> Result<()> {
 }
 
 #[tokio::test]
+async fn a_gateway_503_after_commit_stores_the_task_like_a_success() -> Result<()> {
+    let sim = Sim::start(SimConfig::default()).await?;
+    sim.sim.faults().inject(Fault::once_for("op-gw", FaultKind::Gateway503AfterCommit));
+
+    let (status, error) = send(sim.create(Some("op-gw"), "op-gw", &hash(1))).await?;
+    assert_eq!((status, error), (StatusCode::SERVICE_UNAVAILABLE, json!({"error": "unavailable"})));
+    assert_eq!(sim.sim.effects().await?, 1, "the 503 came after the commit");
+    let (status, task) = send(sim.get("/v1/tasks/by-key/op-gw")).await?;
+    assert_eq!((status, task["external_id"].as_str()), (StatusCode::OK, Some("op-gw")));
+    sim.stop().await
+}
+
+#[tokio::test]
+async fn a_held_create_waits_unprocessed_until_released_then_is_answered() -> Result<()> {
+    let sim = Sim::start(SimConfig::default()).await?;
+    sim.sim.faults().inject(Fault::once_for("op-held", FaultKind::HoldUntilReleased));
+    let request = tokio::spawn(send(sim.create(Some("op-held"), "op-held", &hash(1))));
+    eventually(Duration::from_secs(10), "the create to be held", || async {
+        Ok((sim.sim.faults().held() == 1).then_some(()))
+    })
+    .await?;
+    assert_eq!(sim.sim.effects().await?, 0, "held before anything is stored");
+
+    let (status, released) = send(sim.http.post(sim.url("/_admin/faults/release"))).await?;
+    assert_eq!((status, released), (StatusCode::OK, json!({"released": 1})));
+    let (status, task) = request.await??;
+    assert_eq!((status, task["replayed"].as_bool()), (StatusCode::CREATED, Some(false)));
+    assert_eq!((sim.sim.effects().await?, sim.sim.faults().held()), (1, 0));
+    sim.stop().await
+}
+
+#[tokio::test]
 async fn rate_limited_is_429_with_retry_after_and_nothing_stored() -> Result<()> {
     let sim = Sim::start(SimConfig::default()).await?;
     sim.sim.faults().inject(Fault {

@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use async_nats::jetstream::stream::StorageType;
-use handoff_consumer::dispatcher::{DispatchSettings, Dispatcher};
-use handoff_consumer::ledger::LedgerCrm;
-use handoff_consumer::remote::{Capability, HttpCrm, HttpCrmSettings};
+use handoff_consumer::remote::dispatcher::{DispatchSettings, Dispatcher};
+use handoff_consumer::remote::ledger::LedgerCrm;
+use handoff_consumer::remote::{Adapter, Capability, HttpSettings, NonExecution};
 use handoff_consumer::{Consumer, ConsumerSettings, LocalCrm, SubscriptionSettings};
 use handoff_crm_sim::{CrmSim, SimConfig};
 use handoff_relay::{ApprovedAction, Recorded, Relay, RelaySettings, StreamSettings};
@@ -401,14 +401,14 @@ impl Stack {
         }
     }
 
-    fn http_settings(crm: &CrmSimulator) -> HttpCrmSettings {
-        HttpCrmSettings {
+    fn http_settings(crm: &CrmSimulator) -> HttpSettings {
+        HttpSettings {
             base_url: crm.url.clone(),
             token: crm.sim.config().auth_token.clone(),
             account: SIM_ACCOUNT.into(),
-            capability: Capability::ExternalId,
             timeout: Duration::from_secs(2),
             connect_timeout: Duration::from_secs(1),
+            not_executed: NonExecution::default(),
         }
     }
 
@@ -448,7 +448,12 @@ impl Stack {
                 tasks.spawn(consumer.run_until_stopped(token.clone()));
                 let settings =
                     DispatchSettings { poll_interval: Duration::from_millis(50), ..DispatchSettings::default() };
-                let dispatcher = Dispatcher::new(consumer_pool, HttpCrm::new(Self::http_settings(crm))?, settings);
+                let adapter = handoff_consumer::remote::connect(
+                    Adapter::TasksApi,
+                    Self::http_settings(crm),
+                    Capability::ExternalId,
+                )?;
+                let dispatcher = Dispatcher::new(consumer_pool, adapter, settings);
                 tasks.spawn(dispatcher.run_until_stopped(token.clone()));
             }
         }
@@ -480,6 +485,7 @@ impl Stack {
                 ("HANDOFF_CRM_URL", http.base_url),
                 ("HANDOFF_CRM_TOKEN", http.token),
                 ("HANDOFF_CRM_ACCOUNT", http.account),
+                ("HANDOFF_CRM_ADAPTER", "tasks-api".to_owned()),
                 ("HANDOFF_CRM_CAPABILITY", "external-id".to_owned()),
             ]);
         }

@@ -1,13 +1,14 @@
 //! The remote-CRM side of the harness: a CRM simulator on loopback with its own database, and a
 //! consumer replica plus dispatcher wired to it over HTTP.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Result;
 use handoff_consumer::Consumer;
-use handoff_consumer::dispatcher::{DispatchSettings, Dispatcher};
-use handoff_consumer::ledger::LedgerCrm;
-use handoff_consumer::remote::{Capability, HttpCrm, HttpCrmSettings};
+use handoff_consumer::remote::dispatcher::{DispatchSettings, Dispatcher};
+use handoff_consumer::remote::ledger::LedgerCrm;
+use handoff_consumer::remote::{Adapter, Capability, HttpSettings, LedgerState, NonExecution, RemoteCrm};
 use handoff_crm_sim::{CrmSim, SimConfig};
 use tokio_util::sync::CancellationToken;
 
@@ -66,16 +67,33 @@ impl TestEnv {
         Ok(SimHandle { sim, url, stop })
     }
 
-    /// HTTP adapter settings for `sim`: short timeouts so a lost reply is unknown quickly.
-    pub fn http_settings(&self, sim: &SimHandle, capability: Capability) -> HttpCrmSettings {
-        HttpCrmSettings {
+    /// HTTP settings for `sim`: short timeouts so a lost reply is unknown quickly, and the
+    /// default non-execution rule (only a connection never made proves nothing was sent).
+    pub fn http_settings(&self, sim: &SimHandle) -> HttpSettings {
+        HttpSettings {
             base_url: sim.url.clone(),
             token: SimConfig::default().auth_token,
             account: ACCOUNT.into(),
-            capability,
             timeout: Duration::from_millis(500),
             connect_timeout: Duration::from_millis(500),
+            not_executed: NonExecution::default(),
         }
+    }
+
+    /// The `/v1/tasks` adapter on `sim`, declaring `capability`, with the default rule.
+    pub fn sim_crm(&self, sim: &SimHandle, capability: Capability) -> Arc<dyn RemoteCrm> {
+        self.sim_crm_with(sim, capability, NonExecution::default())
+    }
+
+    /// The `/v1/tasks` adapter on `sim` with the non-execution rule `not_executed`.
+    pub fn sim_crm_with(
+        &self,
+        sim: &SimHandle,
+        capability: Capability,
+        not_executed: NonExecution,
+    ) -> Arc<dyn RemoteCrm> {
+        let settings = HttpSettings { not_executed, ..self.http_settings(sim) };
+        handoff_consumer::remote::connect(Adapter::TasksApi, settings, capability).expect("an HTTP client")
     }
 
     /// Dispatcher settings for tests: immediate readbacks and retries, short windows.
@@ -112,13 +130,13 @@ impl TestEnv {
     }
 
     /// A dispatcher on its own pool, as another replica would have.
-    pub async fn dispatcher(&self, crm: HttpCrmSettings, settings: DispatchSettings) -> Result<Dispatcher> {
+    pub async fn dispatcher(&self, crm: Arc<dyn RemoteCrm>, settings: DispatchSettings) -> Result<Dispatcher> {
         let pool = sqlx::PgPool::connect(&self.replica_url()).await?;
-        Ok(Dispatcher::new(pool, HttpCrm::new(crm)?, settings))
+        Ok(Dispatcher::new(pool, crm, settings))
     }
 
     /// The ledger state of one key.
-    pub async fn ledger_state(&self, key: &str) -> Result<String> {
+    pub async fn ledger_state(&self, key: &str) -> Result<LedgerState> {
         Ok(sqlx::query_scalar("SELECT state FROM handoff_consumer.crm_operation WHERE operation_key = $1")
             .bind(key)
             .fetch_one(&self.consumer_db)

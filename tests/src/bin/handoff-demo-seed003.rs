@@ -9,9 +9,9 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use anyhow::{Result, ensure};
-use handoff_consumer::dispatcher::{DispatchSettings, Dispatched};
-use handoff_consumer::ledger::{self, state};
 use handoff_consumer::remote::Capability;
+use handoff_consumer::remote::dispatcher::{DispatchSettings, Dispatched};
+use handoff_consumer::remote::{LedgerState, ledger};
 use handoff_crm_sim::{Fault, FaultKind, SimConfig};
 use handoff_relay::ApprovedAction;
 use handoff_tests::TestEnv;
@@ -77,18 +77,21 @@ async fn main() -> Result<()> {
 
     // No readback grace: an unavailable readback goes straight to review, as in the seed.
     let settings = DispatchSettings { readback_window: Duration::ZERO, ..env.dispatch_settings() };
-    let first = env.dispatcher(env.http_settings(&sim, Capability::ExternalId), settings.clone()).await?;
+    let first = env.dispatcher(env.sim_crm(&sim, Capability::ExternalId), settings.clone()).await?;
     let first_run = run(&env, &first.dispatch_due().await?).await?;
     println!("FIRST_RUN {}", serde_json::to_string(&first_run)?);
 
     // Restart: the replica (intake and dispatcher) is gone; a new one starts on the same database.
     drop((first, consumer));
-    let restarted = env.dispatcher(env.http_settings(&sim, Capability::ExternalId), settings).await?;
+    let restarted = env.dispatcher(env.sim_crm(&sim, Capability::ExternalId), settings).await?;
     let recovered = run(&env, &restarted.dispatch_due().await?).await?;
     println!("RESTART {}", serde_json::to_string(&recovered)?);
 
-    let states: BTreeMap<String, i64> =
-        ledger::count_by_state(&env.consumer_db).await?.into_iter().map(|(s, n)| (s.to_uppercase(), n)).collect();
+    let states: BTreeMap<String, i64> = ledger::count_by_state(&env.consumer_db)
+        .await?
+        .into_iter()
+        .map(|(s, n)| (s.as_str().to_uppercase(), n))
+        .collect();
     let provider_actions = sim.effects().await?;
     let report = sim.sim.report().await?;
     let distinct: std::collections::HashSet<_> = report.tasks.iter().map(|t| &t.external_id).collect();
@@ -128,10 +131,10 @@ async fn run(env: &TestEnv, dispatched: &[Dispatched]) -> Result<Vec<serde_json:
                 .await?;
         let path = match dispatched.iter().find(|d| d.operation_key == key) {
             None => "cached",
-            Some(d) if d.call == "create" && d.state == state::SETTLED => "sent",
-            Some(d) if d.state == state::UNKNOWN => "hold",
-            Some(d) if d.state == state::SETTLED => "reconciled",
-            Some(d) if d.state == state::REVIEW => "manual",
+            Some(d) if d.call == "create" && d.state == LedgerState::Settled => "sent",
+            Some(d) if d.state == LedgerState::Unknown => "hold",
+            Some(d) if d.state == LedgerState::Settled => "reconciled",
+            Some(d) if d.state == LedgerState::Review => "manual",
             Some(_) => "other",
         };
         rows.push(json!({"attempts": attempts, "key": key, "path": path, "state": state.to_uppercase()}));

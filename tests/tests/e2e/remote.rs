@@ -4,9 +4,9 @@
 use std::time::Duration;
 
 use handoff_consumer::Handled;
-use handoff_consumer::dispatcher::{DispatchSettings, Dispatched, Dispatcher};
-use handoff_consumer::ledger::state;
 use handoff_consumer::remote::Capability;
+use handoff_consumer::remote::LedgerState;
+use handoff_consumer::remote::dispatcher::{DispatchSettings, Dispatched, Dispatcher};
 use handoff_consumer::review;
 use handoff_crm_sim::{Fault, FaultKind, SimConfig};
 use handoff_tests::remote::SimHandle;
@@ -39,7 +39,7 @@ async fn setup_with_window(config: SimConfig, duplicate_window: Duration) -> (Te
 }
 
 async fn dispatcher(env: &TestEnv, sim: &SimHandle, capability: Capability) -> Dispatcher {
-    env.dispatcher(env.http_settings(sim, capability), env.dispatch_settings()).await.unwrap()
+    env.dispatcher(env.sim_crm(sim, capability), env.dispatch_settings()).await.unwrap()
 }
 
 /// Dispatches until `key` reaches a decided state (bounded); returns every step taken.
@@ -49,7 +49,7 @@ async fn until_decided(dispatcher: &Dispatcher, env: &TestEnv, key: &str) -> Vec
     loop {
         steps.extend(dispatcher.dispatch_due().await.unwrap());
         let state = env.ledger_state(key).await.unwrap();
-        if state == state::SETTLED || state == state::REVIEW {
+        if state == LedgerState::Settled || state == LedgerState::Review {
             return steps;
         }
         assert!(tokio::time::Instant::now() < deadline, "no decision for {key} after {steps:?}");
@@ -58,8 +58,13 @@ async fn until_decided(dispatcher: &Dispatcher, env: &TestEnv, key: &str) -> Vec
     }
 }
 
-fn calls(steps: &[Dispatched]) -> Vec<(&'static str, &'static str)> {
+fn calls(steps: &[Dispatched]) -> Vec<(&'static str, LedgerState)> {
     steps.iter().map(|d| (d.call, d.state)).collect()
+}
+
+/// The steps taken for `key` only (a dispatcher works every due key at once).
+fn calls_for(steps: &[Dispatched], key: &str) -> Vec<(&'static str, LedgerState)> {
+    steps.iter().filter(|d| d.operation_key == key).map(|d| (d.call, d.state)).collect()
 }
 
 #[tokio::test]
@@ -70,7 +75,7 @@ async fn a_reply_lost_after_the_crm_committed_is_settled_by_readback_without_a_s
     let dispatcher = dispatcher(&env, &sim, Capability::ExternalId).await;
 
     let steps = until_decided(&dispatcher, &env, KEY).await;
-    assert_eq!(calls(&steps), [("create", state::UNKNOWN), ("readback", state::SETTLED)]);
+    assert_eq!(calls(&steps), [("create", LedgerState::Unknown), ("readback", LedgerState::Settled)]);
     assert_eq!((sim.effects().await.unwrap(), sim.creates()), (1, 1));
     let proof: String = sqlx::query_scalar("SELECT proof FROM handoff_consumer.crm_operation")
         .fetch_one(&env.consumer_db)
@@ -93,13 +98,16 @@ async fn unavailable_readback_goes_to_review_after_its_window_with_no_retry() {
     sim.sim.faults().inject(Fault::once_for(KEY, FaultKind::LoseReplyAfterCommit));
     sim.sim.faults().inject(Fault { target: Some(KEY.into()), kind: FaultKind::ReadbackUnavailable, times: None });
     let settings = DispatchSettings { readback_interval: Duration::from_millis(200), ..env.dispatch_settings() };
-    let dispatcher = env.dispatcher(env.http_settings(&sim, Capability::ExternalId), settings).await.unwrap();
+    let dispatcher = env.dispatcher(env.sim_crm(&sim, Capability::ExternalId), settings).await.unwrap();
 
     let steps = until_decided(&dispatcher, &env, KEY).await;
-    assert_eq!(steps.first().map(|d| (d.call, d.state)), Some(("create", state::UNKNOWN)));
-    assert_eq!(steps.last().map(|d| (d.call, d.state)), Some(("readback", state::REVIEW)));
+    assert_eq!(steps.first().map(|d| (d.call, d.state)), Some(("create", LedgerState::Unknown)));
+    assert_eq!(steps.last().map(|d| (d.call, d.state)), Some(("readback", LedgerState::Review)));
     assert!(steps.len() > 2, "readbacks were retried before giving up: {steps:?}");
-    assert!(steps[1..steps.len() - 1].iter().all(|d| (d.call, d.state) == ("readback", state::UNKNOWN)), "{steps:?}");
+    assert!(
+        steps[1..steps.len() - 1].iter().all(|d| (d.call, d.state) == ("readback", LedgerState::Unknown)),
+        "{steps:?}"
+    );
     assert!(steps.last().unwrap().note.contains("readback unavailable"), "{steps:?}");
     assert_eq!((sim.effects().await.unwrap(), sim.creates()), (1, 1), "never retried");
     assert!(dispatcher.dispatch_due().await.unwrap().is_empty(), "review is not picked up again");
@@ -121,10 +129,14 @@ async fn readback_proving_non_execution_allows_exactly_one_new_attempt_with_the_
 
     let steps = until_decided(&dispatcher, &env, KEY).await;
     // Readbacks inside the absence grace find nothing but do not count as proof yet.
-    let decisive: Vec<_> = calls(&steps).into_iter().filter(|c| *c != ("readback", state::UNKNOWN)).collect();
+    let decisive: Vec<_> = calls(&steps).into_iter().filter(|c| *c != ("readback", LedgerState::Unknown)).collect();
     assert_eq!(
         decisive,
-        [("create", state::UNKNOWN), ("readback", state::PROVED_NOT_EXECUTED), ("create", state::SETTLED)]
+        [
+            ("create", LedgerState::Unknown),
+            ("readback", LedgerState::ProvedNotExecuted),
+            ("create", LedgerState::Settled)
+        ]
     );
     assert_eq!((sim.effects().await.unwrap(), sim.creates()), (1, 2));
 }
@@ -137,7 +149,7 @@ async fn different_content_at_the_crm_for_the_key_is_a_conflict_for_review_with_
     let dispatcher = dispatcher(&env, &sim, Capability::ExternalId).await;
 
     let steps = until_decided(&dispatcher, &env, KEY).await;
-    assert_eq!(calls(&steps), [("create", state::REVIEW)]);
+    assert_eq!(calls(&steps), [("create", LedgerState::Review)]);
     assert!(steps[0].note.contains("conflict"), "{steps:?}");
     assert_eq!(sim.effects().await.unwrap(), 1, "only the seeded task");
 }
@@ -165,7 +177,7 @@ async fn a_replica_killed_mid_call_is_taken_over_and_reconciled_with_one_effect(
     })
     .await
     .unwrap();
-    assert_eq!(env.ledger_state(KEY).await.unwrap(), state::DISPATCHING);
+    assert_eq!(env.ledger_state(KEY).await.unwrap(), LedgerState::Dispatching);
     replica.kill().await.unwrap();
 
     // The dead replica's lease (66 s) would expire by itself; expire it now, as time would.
@@ -175,15 +187,21 @@ async fn a_replica_killed_mid_call_is_taken_over_and_reconciled_with_one_effect(
         .unwrap();
     let other = dispatcher(&env, &sim, Capability::ExternalId).await;
     let steps = until_decided(&other, &env, KEY).await;
-    assert_eq!(calls(&steps), [("readback", state::SETTLED)]);
+    assert_eq!(calls(&steps), [("readback", LedgerState::Settled)]);
     assert_eq!((sim.effects().await.unwrap(), sim.creates()), (1, 1));
-    let evidence: Vec<String> =
-        sqlx::query_scalar("SELECT evidence FROM handoff_consumer.crm_event WHERE operation_key = $1 ORDER BY id")
-            .bind(KEY)
-            .fetch_all(&env.consumer_db)
-            .await
-            .unwrap();
-    assert!(evidence.iter().any(|e| e.contains("lease expired while dispatching")), "{evidence:?}");
+    // The dead replica's request has its evidence row, written when its lease was taken over:
+    // one attempt row per create the CRM received.
+    let attempts: Vec<String> = sqlx::query_scalar(
+        "SELECT evidence FROM handoff_consumer.crm_event WHERE operation_key = $1 AND kind = 'attempt' ORDER BY id",
+    )
+    .bind(KEY)
+    .fetch_all(&env.consumer_db)
+    .await
+    .unwrap();
+    assert_eq!(attempts.len() as u64, sim.creates(), "{attempts:?}");
+    assert!(attempts[0].starts_with("abandoned: the lease of dispatcher-"), "{attempts:?}");
+    let explained = env.admin(&["explain", KEY]).await.unwrap().expect_code(0).unwrap().stdout;
+    assert!(explained.contains("abandoned"), "{explained}");
 }
 
 #[tokio::test]
@@ -198,17 +216,19 @@ async fn two_replicas_dispatching_the_same_key_at_once_make_one_crm_call() {
     let (from_a, from_b) = (from_a.unwrap(), from_b.unwrap());
     assert_eq!(from_a.len() + from_b.len(), 1, "{from_a:?} {from_b:?}");
     assert_eq!((sim.effects().await.unwrap(), sim.creates()), (1, 1));
-    assert_eq!(env.ledger_state(KEY).await.unwrap(), state::SETTLED);
+    assert_eq!(env.ledger_state(KEY).await.unwrap(), LedgerState::Settled);
 }
 
 #[tokio::test]
-async fn rate_limits_and_failures_before_commit_are_retried_with_backoff_and_make_one_effect() {
+async fn statuses_the_destination_documents_as_not_executed_are_retried_with_backoff_and_make_one_effect() {
     let (env, sim) = setup(SimConfig::default()).await;
     deliver(&env, &["case-104"]).await;
     sim.sim.faults().inject(Fault::once_for(KEY, FaultKind::RateLimited { retry_after: Duration::from_secs(1) }));
-    let dispatcher = dispatcher(&env, &sim, Capability::ExternalId).await;
+    // The simulator refuses with 429 and 503 before doing any work, and says so: declared.
+    let crm = env.sim_crm_with(&sim, Capability::ExternalId, "connect-failure,429,503".parse().unwrap());
+    let dispatcher = env.dispatcher(crm, env.dispatch_settings()).await.unwrap();
 
-    assert_eq!(calls(&dispatcher.dispatch_due().await.unwrap()), [("create", state::RECEIVED)]);
+    assert_eq!(calls(&dispatcher.dispatch_due().await.unwrap()), [("create", LedgerState::Received)]);
     let wait: f64 = sqlx::query_scalar(
         "SELECT extract(epoch FROM next_attempt_at - updated_at)::float8 FROM handoff_consumer.crm_operation",
     )
@@ -220,8 +240,157 @@ async fn rate_limits_and_failures_before_commit_are_retried_with_backoff_and_mak
 
     sim.sim.faults().inject(Fault::once_for(KEY, FaultKind::FailBeforeCommit));
     let steps = until_decided(&dispatcher, &env, KEY).await;
-    assert_eq!(calls(&steps), [("create", state::RECEIVED), ("create", state::SETTLED)]);
+    assert_eq!(calls(&steps), [("create", LedgerState::Received), ("create", LedgerState::Settled)]);
     assert_eq!((sim.effects().await.unwrap(), sim.creates()), (1, 3));
+}
+
+/// By default no status proves non-execution: behind a gateway a 503 can follow a committed
+/// request. The same fault with and without the rule: declared "503 = not executed" against a
+/// destination that does not keep that promise makes a second task (the hazard); the default
+/// reads back first and makes one.
+#[tokio::test]
+async fn a_503_proves_nothing_by_default_so_a_gateway_503_after_commit_settles_by_readback() {
+    // Unique external ids off: nothing at the destination would catch a second create.
+    let (env, sim) = setup(SimConfig { enforce_unique_external_id: false, ..SimConfig::default() }).await;
+    deliver(&env, &["case-104", "case-106"]).await;
+    let faults = sim.sim.faults();
+    faults.inject(Fault::once_for(KEY, FaultKind::Gateway503AfterCommit));
+    let rate_limited = "harbor:create-followup:v1:case-106";
+    faults.inject(Fault::once_for(rate_limited, FaultKind::RateLimited { retry_after: Duration::from_secs(1) }));
+
+    let default = dispatcher(&env, &sim, Capability::ExternalId).await;
+    let mut steps = until_decided(&default, &env, KEY).await;
+    assert_eq!(calls_for(&steps, KEY), [("create", LedgerState::Unknown), ("readback", LedgerState::Settled)]);
+    assert!(steps[0].note.contains("outcome unknown"), "{steps:?}");
+    // A 429 under the default rule is unknown too; its Retry-After delays the readback.
+    steps.extend(until_decided(&default, &env, rate_limited).await);
+    let steps: Vec<_> = steps.into_iter().filter(|d| d.operation_key == rate_limited).collect();
+    let decisive: Vec<_> = calls(&steps).into_iter().filter(|c| *c != ("readback", LedgerState::Unknown)).collect();
+    assert_eq!(
+        decisive,
+        [
+            ("create", LedgerState::Unknown),
+            ("readback", LedgerState::ProvedNotExecuted),
+            ("create", LedgerState::Settled)
+        ]
+    );
+    assert!(steps[0].note.contains("read back in 1000ms"), "Retry-After honoured: {steps:?}");
+
+    let trusting = env
+        .dispatcher(env.sim_crm_with(&sim, Capability::ExternalId, "503".parse().unwrap()), env.dispatch_settings())
+        .await
+        .unwrap();
+    let hazard = "harbor:create-followup:v1:case-105";
+    deliver(&env, &["case-105"]).await;
+    faults.inject(Fault::once_for(hazard, FaultKind::Gateway503AfterCommit));
+    let steps = until_decided(&trusting, &env, hazard).await;
+    assert_eq!(calls(&steps)[0], ("create", LedgerState::Received), "the 503 was taken as proof: {steps:?}");
+    let report = sim.sim.report().await.unwrap();
+    let tasks_of = |key: &str| report.tasks.iter().filter(|t| t.external_id == key).count();
+    assert_eq!((tasks_of(KEY), tasks_of(rate_limited)), (1, 1), "the default rule: one task each");
+    assert_eq!(tasks_of(hazard), 2, "a rule the destination does not keep duplicates");
+}
+
+/// With an idempotency key the CRM still retains, an unavailable readback is no reason to wait
+/// for a person: the create is sent again with the same key, which returns the original task
+/// (reply lost after commit) or creates the missing one (reset before commit). One task each.
+#[tokio::test]
+async fn with_readback_unavailable_a_retained_idempotency_key_is_replayed_and_makes_one_effect() {
+    let (env, sim) = setup(SimConfig::default()).await;
+    deliver(&env, &["case-104", "case-105"]).await;
+    let never_stored = "harbor:create-followup:v1:case-105";
+    let faults = sim.sim.faults();
+    faults.inject(Fault::once_for(KEY, FaultKind::LoseReplyAfterCommit));
+    faults.inject(Fault::once_for(never_stored, FaultKind::ResetBeforeCommit));
+    for key in [KEY, never_stored] {
+        faults.inject(Fault { target: Some(key.into()), kind: FaultKind::ReadbackUnavailable, times: None });
+    }
+    let keyed = Capability::IdempotencyKey { retention: Duration::from_secs(3600) };
+    let dispatcher = dispatcher(&env, &sim, keyed).await;
+
+    let mut steps = Vec::new();
+    for key in [KEY, never_stored] {
+        steps.extend(until_decided(&dispatcher, &env, key).await);
+    }
+    for key in [KEY, never_stored] {
+        assert_eq!(
+            calls_for(&steps, key),
+            [("create", LedgerState::Unknown), ("readback", LedgerState::Replay), ("replay", LedgerState::Settled)],
+            "{key}"
+        );
+        let proof: String =
+            sqlx::query_scalar("SELECT proof FROM handoff_consumer.crm_operation WHERE operation_key = $1")
+                .bind(key)
+                .fetch_one(&env.consumer_db)
+                .await
+                .unwrap();
+        assert_eq!(proof, "replay_by_key");
+    }
+    let report = sim.sim.report().await.unwrap();
+    assert_eq!((report.effects, report.requests.creates), (2, 4), "one task per key, two creates each");
+    let explained = env.admin(&["explain", KEY]).await.unwrap().expect_code(0).unwrap().stdout;
+    assert!(explained.contains("replay with the same key"), "{explained}");
+}
+
+/// Seed 001: "an old response arrives after a new attempt began". A replica's create is held at
+/// the CRM past its lease; another replica takes the key over and reads back; then the old reply
+/// arrives. It is kept as evidence (`lease_lost`) and changes nothing: the row is decided by the
+/// replica that holds it, and the CRM has one task.
+#[tokio::test]
+async fn a_reply_arriving_after_the_lease_was_taken_over_changes_nothing() {
+    let (env, sim) = setup(SimConfig::default()).await;
+    deliver(&env, &["case-104"]).await;
+    sim.sim.faults().inject(Fault::once_for(KEY, FaultKind::HoldUntilReleased));
+    // A lease shorter than the call: only possible in process (the binary refuses it).
+    let short_lease = DispatchSettings { lease: Duration::from_millis(300), ..env.dispatch_settings() };
+    let mut slow_http = env.http_settings(&sim);
+    slow_http.timeout = Duration::from_secs(30);
+    let slow_crm = handoff_consumer::remote::connect(
+        handoff_consumer::remote::Adapter::TasksApi,
+        slow_http,
+        Capability::ExternalId,
+    )
+    .unwrap();
+    let old = env.dispatcher(slow_crm, short_lease).await.unwrap();
+    let old_call = tokio::spawn(async move { old.dispatch_due().await });
+    eventually("the old create to be held at the CRM", WAIT, || async {
+        Ok((sim.sim.faults().held() == 1).then_some(()))
+    })
+    .await
+    .unwrap();
+    eventually("the old lease to expire", WAIT, || async {
+        let expired: bool = sqlx::query_scalar(
+            "SELECT lease_until < now() FROM handoff_consumer.crm_operation WHERE operation_key = $1",
+        )
+        .bind(KEY)
+        .fetch_one(&env.consumer_db)
+        .await?;
+        Ok(expired.then_some(()))
+    })
+    .await
+    .unwrap();
+
+    // The new attempt begins: the takeover reads back (nothing yet: the old create is unprocessed).
+    let new = dispatcher(&env, &sim, Capability::ExternalId).await;
+    assert_eq!(calls(&new.dispatch_due().await.unwrap()), [("readback", LedgerState::Unknown)]);
+    // The old reply arrives now: a 201 with the task.
+    sim.sim.faults().release_held();
+    let old_steps = old_call.await.unwrap().unwrap();
+    assert!(old_steps.is_empty(), "the old claim's decision was not applied: {old_steps:?}");
+    let lost: Vec<String> = sqlx::query_scalar(
+        "SELECT evidence FROM handoff_consumer.crm_event WHERE operation_key = $1 AND state_after = 'lease_lost' ORDER BY id",
+    )
+    .bind(KEY)
+    .fetch_all(&env.consumer_db)
+    .await
+    .unwrap();
+    assert!(lost.iter().any(|e| e.contains("-> 201")), "the late receipt is kept as evidence: {lost:?}");
+    assert_eq!(env.ledger_state(KEY).await.unwrap(), LedgerState::Unknown, "the late reply decided nothing");
+
+    // The holder reads back and settles on what the CRM really has.
+    let steps = until_decided(&new, &env, KEY).await;
+    assert_eq!(calls(&steps), [("readback", LedgerState::Settled)]);
+    assert_eq!((sim.effects().await.unwrap(), sim.creates()), (1, 1));
 }
 
 #[tokio::test]
@@ -234,7 +403,7 @@ async fn validation_and_auth_errors_go_to_review_at_once_without_retry() {
 
     let steps = dispatcher.dispatch_due().await.unwrap();
     assert_eq!(steps.len(), 2);
-    assert!(steps.iter().all(|d| d.state == state::REVIEW && d.note.contains("not retryable")), "{steps:?}");
+    assert!(steps.iter().all(|d| d.state == LedgerState::Review && d.note.contains("not retryable")), "{steps:?}");
     assert!(dispatcher.dispatch_due().await.unwrap().is_empty());
     assert_eq!((sim.effects().await.unwrap(), sim.creates()), (0, 2));
 }
@@ -249,13 +418,13 @@ async fn a_query_only_crm_lookup_inside_the_visibility_lag_is_not_taken_as_absen
     let dispatcher = dispatcher(&env, &sim, capability).await;
 
     let steps = until_decided(&dispatcher, &env, KEY).await;
-    assert_eq!(steps.first().map(|d| (d.call, d.state)), Some(("create", state::UNKNOWN)));
+    assert_eq!(steps.first().map(|d| (d.call, d.state)), Some(("create", LedgerState::Unknown)));
     // At least one search ran inside the lag and found nothing, and it was not taken as proof.
     assert!(
-        steps.iter().any(|d| d.call == "readback" && d.state == state::UNKNOWN && d.note.contains("lag")),
+        steps.iter().any(|d| d.call == "readback" && d.state == LedgerState::Unknown && d.note.contains("lag")),
         "{steps:?}"
     );
-    assert_eq!(steps.last().map(|d| (d.call, d.state)), Some(("readback", state::SETTLED)));
+    assert_eq!(steps.last().map(|d| (d.call, d.state)), Some(("readback", LedgerState::Settled)));
     assert_eq!((sim.effects().await.unwrap(), sim.creates()), (1, 1));
 }
 
@@ -266,7 +435,7 @@ async fn an_idempotency_key_forgotten_by_the_crm_while_unknown_goes_to_review_no
     deliver(&env, &["case-104"]).await;
     sim.sim.faults().inject(Fault::once_for(KEY, FaultKind::LoseReplyAfterCommit));
     let dispatcher = dispatcher(&env, &sim, Capability::IdempotencyKey { retention }).await;
-    assert_eq!(calls(&dispatcher.dispatch_due().await.unwrap()), [("create", state::UNKNOWN)]);
+    assert_eq!(calls(&dispatcher.dispatch_due().await.unwrap()), [("create", LedgerState::Unknown)]);
 
     // The dispatcher is away until the CRM has forgotten the key.
     let client = reqwest::Client::new();
@@ -282,7 +451,7 @@ async fn an_idempotency_key_forgotten_by_the_crm_while_unknown_goes_to_review_no
     .await
     .unwrap();
     let steps = until_decided(&dispatcher, &env, KEY).await;
-    assert_eq!(calls(&steps), [("none", state::REVIEW)]);
+    assert_eq!(calls(&steps), [("none", LedgerState::Review)]);
     assert!(steps[0].note.contains("retention"), "{steps:?}");
     assert_eq!((sim.effects().await.unwrap(), sim.creates()), (1, 1));
 }
@@ -298,10 +467,10 @@ async fn operators_resolve_by_receipt_or_by_approving_one_new_attempt_with_audit
     // A destination with no readback: every unknown outcome goes to a person.
     let dispatcher = dispatcher(&env, &sim, Capability::Nothing).await;
     let steps = dispatcher.dispatch_due().await.unwrap();
-    assert!(steps.iter().all(|d| d.state == state::REVIEW), "{steps:?}");
+    assert!(steps.iter().all(|d| d.state == LedgerState::Review), "{steps:?}");
 
     // Export: non-secret fields only, no payload bodies.
-    let rows = review::list(&env.consumer_db, &["unknown", "review"]).await.unwrap();
+    let rows = review::list(&env.consumer_db, &[LedgerState::Unknown, LedgerState::Review]).await.unwrap();
     assert_eq!(rows.len(), 2);
     let csv = review::export(&rows, review::ExportFormat::Csv).unwrap();
     let json = review::export(&rows, review::ExportFormat::Json).unwrap();
@@ -328,7 +497,7 @@ async fn operators_resolve_by_receipt_or_by_approving_one_new_attempt_with_audit
     )
     .await
     .unwrap();
-    assert_eq!(calls(&dispatcher.dispatch_due().await.unwrap()), [("create", state::SETTLED)]);
+    assert_eq!(calls(&dispatcher.dispatch_due().await.unwrap()), [("create", LedgerState::Settled)]);
 
     // Refusals change nothing: no actor, or a row that is already decided.
     assert!(matches!(
@@ -341,7 +510,7 @@ async fn operators_resolve_by_receipt_or_by_approving_one_new_attempt_with_audit
     ));
 
     let history = review::history(&env.consumer_db, lost).await.unwrap();
-    assert_eq!(history.operation.state, state::SETTLED);
+    assert_eq!(history.operation.state, LedgerState::Settled);
     assert_eq!(history.operation.receipt_ref.as_deref(), Some(task_id.as_str()));
     assert_eq!(history.audit.len(), 1);
     assert_eq!((history.audit[0].actor.as_str(), history.audit[0].action.as_str()), ("ops-ana", "record_receipt"));
@@ -360,8 +529,8 @@ async fn a_changed_payload_while_reconciliation_is_pending_is_refused_and_needs_
     sim.sim.faults().inject(Fault::once_for(KEY, FaultKind::LoseReplyAfterCommit));
     sim.sim.faults().inject(Fault { target: Some(KEY.into()), kind: FaultKind::ReadbackUnavailable, times: None });
     let settings = DispatchSettings { readback_window: Duration::from_secs(3600), ..env.dispatch_settings() };
-    let dispatcher = env.dispatcher(env.http_settings(&sim, Capability::ExternalId), settings).await.unwrap();
-    assert_eq!(calls(&dispatcher.dispatch_due().await.unwrap()), [("create", state::UNKNOWN)]);
+    let dispatcher = env.dispatcher(env.sim_crm(&sim, Capability::ExternalId), settings).await.unwrap();
+    assert_eq!(calls(&dispatcher.dispatch_due().await.unwrap()), [("create", LedgerState::Unknown)]);
 
     // The producer refuses the edit outright...
     assert!(matches!(
@@ -403,13 +572,13 @@ async fn a_changed_payload_while_reconciliation_is_pending_is_refused_and_needs_
         }
     }
     assert!(matches!(handled.as_slice(), [Handled::Conflict { .. }]), "{handled:?}");
-    let (ledger_state, ledger_hash): (String, String) =
+    let (ledger_state, ledger_hash): (LedgerState, String) =
         sqlx::query_as("SELECT state, payload_hash FROM handoff_consumer.crm_operation WHERE operation_key = $1")
             .bind(KEY)
             .fetch_one(&env.consumer_db)
             .await
             .unwrap();
-    assert_eq!(ledger_state, state::UNKNOWN, "the pending reconciliation is untouched");
+    assert_eq!(ledger_state, LedgerState::Unknown, "the pending reconciliation is untouched");
     assert_ne!(ledger_hash, edited.payload.hash().to_string(), "and still carries the approved payload");
     let reviews: i64 =
         sqlx::query_scalar("SELECT count(*) FROM handoff_consumer.review").fetch_one(&env.consumer_db).await.unwrap();
@@ -450,14 +619,13 @@ async fn running_dispatchers_on_two_replicas_settle_every_action_once_through_fa
     let settings = DispatchSettings { in_flight: 4, ..env.dispatch_settings() };
     let mut replicas = tokio::task::JoinSet::new();
     for _ in 0..2 {
-        let dispatcher =
-            env.dispatcher(env.http_settings(&sim, Capability::ExternalId), settings.clone()).await.unwrap();
+        let dispatcher = env.dispatcher(env.sim_crm(&sim, Capability::ExternalId), settings.clone()).await.unwrap();
         replicas.spawn(dispatcher.run_until_stopped(stop.clone()));
     }
     let counts = eventually("every action decided", Duration::from_secs(60), || async {
-        let counts = handoff_consumer::ledger::count_by_state(&env.consumer_db).await?;
-        let decided =
-            counts.get(state::SETTLED).copied().unwrap_or(0) + counts.get(state::REVIEW).copied().unwrap_or(0);
+        let counts = handoff_consumer::remote::ledger::count_by_state(&env.consumer_db).await?;
+        let decided = counts.get(&LedgerState::Settled).copied().unwrap_or(0)
+            + counts.get(&LedgerState::Review).copied().unwrap_or(0);
         Ok((decided == N).then_some(counts))
     })
     .await
@@ -467,7 +635,7 @@ async fn running_dispatchers_on_two_replicas_settle_every_action_once_through_fa
         stopped.unwrap().unwrap();
     }
 
-    assert_eq!(counts.get(state::SETTLED).copied(), Some(N), "{counts:?}");
+    assert_eq!(counts.get(&LedgerState::Settled).copied(), Some(N), "{counts:?}");
     let report = sim.sim.report().await.unwrap();
     assert_eq!(report.effects, N, "one CRM task per action");
     let mut external_ids: Vec<&str> = report.tasks.iter().map(|t| t.external_id.as_str()).collect();
@@ -507,7 +675,7 @@ async fn a_dry_run_replica_records_intake_and_never_calls_the_crm() {
     env.approve("case-104", SEED_TITLE).await.unwrap();
     relay.publish_batch().await.unwrap();
     eventually("the ledger row", Duration::from_secs(60), || async {
-        Ok((env.ledger_state(KEY).await.ok().as_deref() == Some(state::RECEIVED)).then_some(()))
+        Ok((env.ledger_state(KEY).await.ok() == Some(LedgerState::Received)).then_some(()))
     })
     .await
     .unwrap();
@@ -517,7 +685,7 @@ async fn a_dry_run_replica_records_intake_and_never_calls_the_crm() {
     // A replica without --dry-run takes the recorded intake to the CRM, once.
     let _replica = env.consumer_process_with(&remote).unwrap();
     eventually("settled", Duration::from_secs(60), || async {
-        Ok((env.ledger_state(KEY).await? == state::SETTLED).then_some(()))
+        Ok((env.ledger_state(KEY).await? == LedgerState::Settled).then_some(()))
     })
     .await
     .unwrap();

@@ -1,22 +1,16 @@
-//! The remote-CRM ledger (`handoff_consumer.crm_operation` and its event log): every statement on
-//! those tables. See the state diagram in `migrations/20261129000002_remote_crm_ledger.sql`.
+//! The remote-CRM ledger (`handoff_consumer.crm_operation`), its evidence (`crm_event`) and the
+//! operators' audit (`audit`): every statement on those tables. See the state diagram in
+//! `migrations/20261129000002_remote_crm_ledger.sql` and [`LedgerState`].
 
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use serde::Serialize;
 use sqlx::{PgConnection, PgPool};
 
+use super::LedgerState;
+use super::decide::Decision;
 use crate::crm::{Crm, CrmError, TaskOutcome, TaskRequest};
-
-/// Ledger states.
-pub mod state {
-    pub const RECEIVED: &str = "received";
-    pub const DISPATCHING: &str = "dispatching";
-    pub const UNKNOWN: &str = "unknown";
-    pub const PROVED_NOT_EXECUTED: &str = "proved_not_executed";
-    pub const SETTLED: &str = "settled";
-    pub const REVIEW: &str = "review";
-}
 
 /// The intake side of a remote CRM: inside the consumer's batch transaction, each new key gets a
 /// ledger row (`received`) that the dispatcher will drive to `settled` or `review`. The message is
@@ -91,14 +85,19 @@ pub struct ClaimedOperation {
     pub account: String,
     pub payload_hash: String,
     pub payload: sqlx::types::Json<serde_json::Value>,
-    /// The state before the claim: `received` / `proved_not_executed` (a create follows),
-    /// `unknown` (a readback follows) or `dispatching` (its replica died mid-call: readback).
-    pub prior_state: String,
+    /// The state before the claim: `received` / `proved_not_executed` / `replay` (a create
+    /// follows), `unknown` (a readback follows) or `dispatching` (its replica died mid-call:
+    /// readback).
+    pub prior_state: LedgerState,
     /// Create attempts, including one this claim starts.
     pub attempts: i32,
     pub first_attempt_at: Option<DateTime<Utc>>,
-    /// When the last create attempt started (readbacks judge freshness from it).
+    /// When the last create attempt started.
     pub last_attempt_at: Option<DateTime<Utc>>,
+    /// When the first create of the current unproven episode was sent: the oldest moment the
+    /// destination may have recorded the idempotency key (reset when an attempt is proved not
+    /// executed). Key retention is judged from it.
+    pub key_sent_at: Option<DateTime<Utc>>,
     pub unknown_since: Option<DateTime<Utc>>,
     /// The database's clock at the claim: every age is measured on this one clock, never the
     /// application host's (a skewed host clock must not shorten a freshness or retention window).
@@ -107,9 +106,11 @@ pub struct ClaimedOperation {
     pub traceparent: Option<String>,
 }
 
-/// Claims up to `limit` due operations of `account` for `owner` for `lease`. A create claim counts the attempt
-/// and records its start *before* the call; an expired `dispatching` lease becomes `unknown`,
-/// because its replica may have reached the CRM before dying.
+/// Claims up to `limit` due operations of `account` for `owner` for `lease`. A create claim
+/// (`received`, `proved_not_executed`, `replay`) counts the attempt and records its start *before*
+/// the call; an expired `dispatching` lease becomes `unknown`, because its replica may have reached
+/// the CRM before dying, and its attempt gets its evidence row now (`abandoned`), so every create
+/// ever sent has one.
 ///
 /// Only rows of the dispatcher's own account are claimed: a readback in another account would
 /// find nothing and wrongly "prove" non-execution.
@@ -122,9 +123,10 @@ pub async fn claim_due(
 ) -> Result<Vec<ClaimedOperation>, sqlx::Error> {
     const CLAIM_DUE: &str = r#"
         WITH due AS (
-            SELECT operation_key, state AS prior_state
+            SELECT operation_key, state AS prior_state, lease_owner AS prior_owner,
+                   state IN ('received', 'proved_not_executed', 'replay') AS creates
               FROM handoff_consumer.crm_operation
-             WHERE state IN ('received', 'dispatching', 'unknown', 'proved_not_executed')
+             WHERE state IN ('received', 'dispatching', 'unknown', 'proved_not_executed', 'replay')
                AND next_attempt_at <= now()
                AND account = $4
                -- A paused action type's calls wait (readbacks too: an operator is looking).
@@ -133,38 +135,39 @@ pub async fn claim_due(
              ORDER BY next_attempt_at
              LIMIT $1
                FOR UPDATE SKIP LOCKED
+        ), claimed AS (
+            UPDATE handoff_consumer.crm_operation AS o
+               SET state = CASE WHEN due.creates THEN 'dispatching' ELSE 'unknown' END,
+                   attempts = o.attempts + CASE WHEN due.creates THEN 1 ELSE 0 END,
+                   readbacks = o.readbacks + CASE WHEN due.creates THEN 0 ELSE 1 END,
+                   first_attempt_at = COALESCE(o.first_attempt_at, now()),
+                   last_attempt_at = CASE WHEN due.creates THEN now() ELSE o.last_attempt_at END,
+                   key_sent_at = CASE WHEN due.creates THEN COALESCE(o.key_sent_at, now()) ELSE o.key_sent_at END,
+                   -- A replay continues the unknown episode; a first or proved-absent attempt starts afresh.
+                   unknown_since = CASE WHEN due.prior_state IN ('received', 'proved_not_executed') THEN NULL
+                                        WHEN due.prior_state = 'dispatching' THEN now()
+                                        ELSE o.unknown_since END,
+                   lease_owner = $2,
+                   lease_until = now() + make_interval(secs => $3),
+                   next_attempt_at = now() + make_interval(secs => $3),
+                   updated_at = now()
+              FROM due
+             WHERE o.operation_key = due.operation_key
+         RETURNING o.operation_key, o.account, o.payload_hash, o.payload, due.prior_state, due.prior_owner,
+                   o.attempts, o.first_attempt_at, o.last_attempt_at, o.key_sent_at, o.unknown_since,
+                   now() AS db_now, o.traceparent
+        ), abandoned AS (
+            INSERT INTO handoff_consumer.crm_event (operation_key, kind, replica, attempt, evidence, state_after)
+            SELECT operation_key, 'attempt', prior_owner, attempts,
+                   'abandoned: the lease of ' || COALESCE(prior_owner, 'a replica') || ' expired before it recorded attempt '
+                       || attempts || '; the request may have reached the CRM',
+                   'unknown'
+              FROM claimed WHERE prior_state = 'dispatching'
         )
-        UPDATE handoff_consumer.crm_operation AS o
-           SET state = CASE WHEN due.prior_state IN ('received', 'proved_not_executed') THEN 'dispatching'
-                            ELSE 'unknown' END,
-               attempts = o.attempts + CASE WHEN due.prior_state IN ('received', 'proved_not_executed') THEN 1 ELSE 0 END,
-               readbacks = o.readbacks + CASE WHEN due.prior_state IN ('received', 'proved_not_executed') THEN 0 ELSE 1 END,
-               first_attempt_at = COALESCE(o.first_attempt_at, now()),
-               last_attempt_at = CASE WHEN due.prior_state IN ('received', 'proved_not_executed') THEN now()
-                                      ELSE o.last_attempt_at END,
-               unknown_since = CASE WHEN due.prior_state IN ('received', 'proved_not_executed') THEN NULL
-                                    WHEN due.prior_state = 'dispatching' THEN now()
-                                    ELSE o.unknown_since END,
-               lease_owner = $2,
-               lease_until = now() + make_interval(secs => $3),
-               next_attempt_at = now() + make_interval(secs => $3),
-               updated_at = now()
-          FROM due
-         WHERE o.operation_key = due.operation_key
-     RETURNING o.operation_key, o.account, o.payload_hash, o.payload, due.prior_state, o.attempts,
-               o.first_attempt_at, o.last_attempt_at, o.unknown_since, now() AS db_now, o.traceparent"#;
+        SELECT operation_key, account, payload_hash, payload, prior_state, attempts, first_attempt_at,
+               last_attempt_at, key_sent_at, unknown_since, db_now, traceparent
+          FROM claimed"#;
     sqlx::query_as(CLAIM_DUE).bind(limit).bind(owner).bind(lease.as_secs_f64()).bind(account).fetch_all(pool).await
-}
-
-/// The outcome to record for one claimed operation.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Decision {
-    pub state: &'static str,
-    /// When the row is due again (for undecided states).
-    pub after: Duration,
-    pub crm_task_id: Option<String>,
-    pub proof: Option<&'static str>,
-    pub note: String,
 }
 
 /// One entry of the event log.
@@ -221,6 +224,9 @@ pub async fn record_many(pool: &PgPool, items: &[Recorded<'_>]) -> Result<Vec<bo
                    note = d.note,
                    unknown_since = CASE WHEN d.state = 'unknown' THEN COALESCE(o.unknown_since, now())
                                         ELSE o.unknown_since END,
+                   -- Proved not executed: no key record at the destination dates from this episode.
+                   key_sent_at = CASE WHEN d.state IN ('received', 'proved_not_executed') THEN NULL
+                                      ELSE o.key_sent_at END,
                    lease_owner = NULL, lease_until = NULL, updated_at = now()
               FROM decision AS d
              WHERE o.operation_key = d.operation_key AND o.lease_owner = d.owner
@@ -254,7 +260,7 @@ pub async fn record_many(pool: &PgPool, items: &[Recorded<'_>]) -> Result<Vec<bo
     let applied: Vec<String> = sqlx::query_scalar(RECORD_DECISIONS)
         .bind(items.iter().map(|i| i.operation_key).collect::<Vec<_>>())
         .bind(items.iter().map(|i| i.owner).collect::<Vec<_>>())
-        .bind(items.iter().map(|i| i.decision.state).collect::<Vec<_>>())
+        .bind(items.iter().map(|i| i.decision.state.as_str()).collect::<Vec<_>>())
         .bind(items.iter().map(|i| i.decision.after.as_secs_f64()).collect::<Vec<_>>())
         .bind(items.iter().map(|i| i.decision.crm_task_id.as_deref()).collect::<Vec<_>>())
         .bind(items.iter().map(|i| i.decision.proof).collect::<Vec<_>>())
@@ -294,10 +300,172 @@ pub async fn insert_event(
 }
 
 /// Ledger rows by state, for reports and tests.
-pub async fn count_by_state(pool: &PgPool) -> Result<std::collections::BTreeMap<String, i64>, sqlx::Error> {
-    let rows: Vec<(String, i64)> =
+pub async fn count_by_state(pool: &PgPool) -> Result<std::collections::BTreeMap<LedgerState, i64>, sqlx::Error> {
+    let rows: Vec<(LedgerState, i64)> =
         sqlx::query_as("SELECT state, count(*) FROM handoff_consumer.crm_operation GROUP BY state")
             .fetch_all(pool)
             .await?;
     Ok(rows.into_iter().collect())
+}
+
+/// One ledger row as an operator sees it (and as it is exported).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow)]
+pub struct ReviewRow {
+    pub operation_key: String,
+    pub state: LedgerState,
+    pub attempts: i32,
+    /// The CRM's task id, or the receipt an operator recorded.
+    pub receipt_ref: Option<String>,
+    pub note: Option<String>,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+}
+
+/// One event of a key's history.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct EventRow {
+    pub kind: String,
+    pub replica: Option<String>,
+    pub attempt: Option<i32>,
+    pub evidence: String,
+    pub state_after: String,
+    pub at: DateTime<Utc>,
+}
+
+/// One operator resolution.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct AuditRow {
+    pub actor: String,
+    pub action: String,
+    pub reason: String,
+    pub receipt: Option<String>,
+    pub at: DateTime<Utc>,
+}
+
+/// Ledger rows in these states, oldest first.
+pub async fn list(pool: &PgPool, states: &[LedgerState]) -> Result<Vec<ReviewRow>, sqlx::Error> {
+    sqlx::query_as(
+        r#"SELECT operation_key, state, attempts, crm_task_id AS receipt_ref, note, created_at, updated_at
+             FROM handoff_consumer.crm_operation
+            WHERE state = ANY($1::text[])
+            ORDER BY created_at, operation_key"#,
+    )
+    .bind(states.iter().map(|s| s.as_str()).collect::<Vec<_>>())
+    .fetch_all(pool)
+    .await
+}
+
+/// One key's ledger row.
+pub async fn operation(pool: &PgPool, key: &str) -> Result<Option<ReviewRow>, sqlx::Error> {
+    sqlx::query_as(
+        r#"SELECT operation_key, state, attempts, crm_task_id AS receipt_ref, note, created_at, updated_at
+             FROM handoff_consumer.crm_operation WHERE operation_key = $1"#,
+    )
+    .bind(key)
+    .fetch_optional(pool)
+    .await
+}
+
+/// One key's evidence, in the order it was recorded.
+pub async fn events(pool: &PgPool, key: &str) -> Result<Vec<EventRow>, sqlx::Error> {
+    sqlx::query_as(
+        r#"SELECT kind, replica, attempt, evidence, state_after, at
+             FROM handoff_consumer.crm_event WHERE operation_key = $1 ORDER BY id"#,
+    )
+    .bind(key)
+    .fetch_all(pool)
+    .await
+}
+
+/// One key's operator resolutions, oldest first.
+pub async fn audit_trail(pool: &PgPool, key: &str) -> Result<Vec<AuditRow>, sqlx::Error> {
+    sqlx::query_as(
+        r#"SELECT actor, action, reason, receipt, at FROM handoff_consumer.audit WHERE operation_key = $1 ORDER BY id"#,
+    )
+    .bind(key)
+    .fetch_all(pool)
+    .await
+}
+
+/// Locks a key's row for an operator's resolution: its state, and whether a replica's lease
+/// still holds it. `None` when the key has no ledger row.
+pub async fn lock_for_resolution(
+    conn: &mut PgConnection,
+    key: &str,
+) -> Result<Option<(LedgerState, bool)>, sqlx::Error> {
+    sqlx::query_as(
+        r#"SELECT state, (lease_owner IS NOT NULL AND lease_until > now()) AS leased
+             FROM handoff_consumer.crm_operation WHERE operation_key = $1 FOR UPDATE"#,
+    )
+    .bind(key)
+    .fetch_optional(&mut *conn)
+    .await
+}
+
+/// An operator's resolution of a locked row: its new state (due now), the receipt if one was
+/// recorded (then the proof is `operator_receipt`) and the note. A new attempt starts a new
+/// episode: no key record dates from it yet.
+pub async fn apply_resolution(
+    conn: &mut PgConnection,
+    key: &str,
+    new_state: LedgerState,
+    receipt: Option<&str>,
+    note: &str,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        r#"UPDATE handoff_consumer.crm_operation
+              SET state = $2, next_attempt_at = now(), lease_owner = NULL, lease_until = NULL,
+                  crm_task_id = COALESCE($3, crm_task_id),
+                  proof = CASE WHEN $3 IS NULL THEN proof ELSE 'operator_receipt' END,
+                  key_sent_at = CASE WHEN $2 = 'proved_not_executed' THEN NULL ELSE key_sent_at END,
+                  note = $4, updated_at = now()
+            WHERE operation_key = $1"#,
+    )
+    .bind(key)
+    .bind(new_state.as_str())
+    .bind(receipt)
+    .bind(note)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+/// One operator action for the audit table: on a key, or on a whole action type.
+#[derive(Debug, Clone, Copy)]
+pub struct Audit<'a> {
+    pub key: Option<&'a str>,
+    pub action_type: Option<&'a str>,
+    pub actor: &'a str,
+    pub action: &'a str,
+    pub reason: &'a str,
+    pub receipt: Option<&'a str>,
+}
+
+impl<'a> Audit<'a> {
+    /// An action on one key.
+    pub fn on_key(key: &'a str, actor: &'a str, action: &'a str, reason: &'a str) -> Self {
+        Self { key: Some(key), action_type: None, actor, action, reason, receipt: None }
+    }
+
+    /// An action on a whole action type (pause, resume).
+    pub fn on_type(action_type: &'a str, actor: &'a str, action: &'a str, reason: &'a str) -> Self {
+        Self { key: None, action_type: Some(action_type), actor, action, reason, receipt: None }
+    }
+}
+
+/// Appends an audit row (actor and reason trimmed; never updated or deleted).
+pub async fn insert_audit(conn: &mut PgConnection, audit: &Audit<'_>) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        r#"INSERT INTO handoff_consumer.audit (operation_key, action_type, actor, action, reason, receipt)
+           VALUES ($1, $2, $3, $4, $5, $6)"#,
+    )
+    .bind(audit.key)
+    .bind(audit.action_type)
+    .bind(audit.actor.trim())
+    .bind(audit.action)
+    .bind(audit.reason.trim())
+    .bind(audit.receipt)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
 }

@@ -1,0 +1,444 @@
+//! The remote-CRM boundary: what an adapter must answer, and what each answer proves.
+//!
+//! A remote CRM is reached through an adapter ([`RemoteCrm`]): it makes one create call or one
+//! readback and classifies the response into a [`CreateOutcome`] or a [`Readback`]. It decides
+//! nothing: [`decide`] holds seed 004's decision table as pure functions, [`dispatcher`] drives the
+//! ledger rows ([`ledger`]) through it, and neither knows which adapter it talks to.
+//!
+//! | module | what it holds |
+//! |---|---|
+//! | [`decide`] | the decision after a create or a readback, per [`Capability`] |
+//! | [`dispatcher`] | claim, call, record: the loop every replica runs |
+//! | [`ledger`] | every statement on the ledger, its evidence and the operators' audit |
+//! | [`tasks_api`] | the `/v1/tasks` contract (`crm-sim`): idempotency keys, external ids, search |
+//!
+//! **Adding an adapter** is one file implementing [`RemoteCrm`] and one arm in [`Adapter`] /
+//! [`connect`]; the dispatcher and the decision table do not change. An adapter owns two things
+//! that belong to its destination, not to handoff: the [`Capability`] it can prove with, and which
+//! answers prove that a create was *not* executed ([`NonExecution`]). Everything it cannot prove
+//! is [`CreateOutcome::Unknown`] and is read back before anything else.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use handoff_shared::TraceParent;
+
+pub mod decide;
+pub mod dispatcher;
+pub mod ledger;
+pub mod tasks_api;
+
+/// The W3C Trace Context header every CRM call carries when the action came with a trace.
+pub const TRACEPARENT: &str = "traceparent";
+
+/// What the destination offers for proving an outcome. Declared by configuration, from the CRM's
+/// documentation; the dispatcher follows the matching rule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Capability {
+    /// Creates carry an `Idempotency-Key` the CRM remembers for `retention`: a retry with the same
+    /// key and payload returns the original task. Readback by key is authoritative within
+    /// retention, and while the key is retained a create with the same key is safe to repeat
+    /// (it is a readback that creates only what is absent).
+    IdempotencyKey { retention: Duration },
+    /// Tasks carry a unique external id (the operation key): readback by it is authoritative.
+    ExternalId,
+    /// Only an eventually consistent search: absence counts only once `freshness` has passed since
+    /// the attempt started.
+    QueryOnly { freshness: Duration },
+    /// Nothing reliable: an unknown outcome always goes to a person.
+    Nothing,
+}
+
+impl Capability {
+    /// How a readback under this capability proves a task exists (the ledger's `proof`).
+    pub fn readback_proof(self) -> &'static str {
+        match self {
+            Capability::IdempotencyKey { .. } => "readback_by_key",
+            Capability::ExternalId => "readback_by_external_id",
+            Capability::QueryOnly { .. } | Capability::Nothing => "query",
+        }
+    }
+}
+
+/// The states of a ledger row (`handoff_consumer.crm_operation.state`); see the diagram in
+/// `migrations/20261129000002_remote_crm_ledger.sql` and `20261203000001_ledger_replay.sql`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LedgerState {
+    /// Recorded at intake; a create is due.
+    Received,
+    /// A replica holds the lease and is calling the CRM.
+    Dispatching,
+    /// A create may or may not have been executed: read back before anything else.
+    Unknown,
+    /// A readback proved the last attempt was not executed: one new attempt with the same key.
+    ProvedNotExecuted,
+    /// Readback is unavailable but the CRM still retains the idempotency key: the create is sent
+    /// again with the same key, which returns the original task if there is one.
+    Replay,
+    /// The CRM holds the task; its id is the receipt.
+    Settled,
+    /// A person must decide.
+    Review,
+}
+
+impl LedgerState {
+    /// Every state, in the order of the diagram.
+    pub const ALL: [LedgerState; 7] = [
+        LedgerState::Received,
+        LedgerState::Dispatching,
+        LedgerState::Unknown,
+        LedgerState::ProvedNotExecuted,
+        LedgerState::Replay,
+        LedgerState::Settled,
+        LedgerState::Review,
+    ];
+
+    /// The name stored in the database.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            LedgerState::Received => "received",
+            LedgerState::Dispatching => "dispatching",
+            LedgerState::Unknown => "unknown",
+            LedgerState::ProvedNotExecuted => "proved_not_executed",
+            LedgerState::Replay => "replay",
+            LedgerState::Settled => "settled",
+            LedgerState::Review => "review",
+        }
+    }
+
+    /// Settled and review rows are decided: the dispatcher never claims them again.
+    pub const fn is_decided(self) -> bool {
+        matches!(self, LedgerState::Settled | LedgerState::Review)
+    }
+
+    /// A claim of a row in this state sends a create (the others read back).
+    pub const fn sends_create(self) -> bool {
+        matches!(self, LedgerState::Received | LedgerState::ProvedNotExecuted | LedgerState::Replay)
+    }
+}
+
+impl std::fmt::Display for LedgerState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A state name the ledger does not know.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "unknown ledger state {0:?} (expected one of received, dispatching, unknown, proved_not_executed, replay, settled, review)"
+)]
+pub struct UnknownLedgerState(pub String);
+
+impl std::str::FromStr for LedgerState {
+    type Err = UnknownLedgerState;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        LedgerState::ALL.into_iter().find(|state| state.as_str() == s).ok_or_else(|| UnknownLedgerState(s.to_owned()))
+    }
+}
+
+impl sqlx::Type<sqlx::Postgres> for LedgerState {
+    fn type_info() -> sqlx::postgres::PgTypeInfo {
+        <&str as sqlx::Type<sqlx::Postgres>>::type_info()
+    }
+
+    fn compatible(ty: &sqlx::postgres::PgTypeInfo) -> bool {
+        <&str as sqlx::Type<sqlx::Postgres>>::compatible(ty)
+    }
+}
+
+impl<'r> sqlx::Decode<'r, sqlx::Postgres> for LedgerState {
+    fn decode(value: sqlx::postgres::PgValueRef<'r>) -> Result<Self, sqlx::error::BoxDynError> {
+        Ok(<&str as sqlx::Decode<sqlx::Postgres>>::decode(value)?.parse()?)
+    }
+}
+
+/// One request to the CRM: the verified action.
+#[derive(Debug, Clone)]
+pub struct RemoteTask<'a> {
+    pub operation_key: &'a str,
+    pub payload_hash: &'a str,
+    pub payload: &'a serde_json::Value,
+    /// The trace context to send (`traceparent`), already a child of the producer's.
+    pub traceparent: Option<TraceParent>,
+}
+
+/// What a create call proved.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CreateOutcome {
+    /// The CRM holds the task (created now, or replayed for this key).
+    Created { task_id: String, evidence: String },
+    /// The CRM holds different content for this key.
+    Conflict { evidence: String },
+    /// Rejected for a reason a retry cannot fix (validation, authorization).
+    Permanent { evidence: String },
+    /// The CRM refused before executing anything (by this destination's [`NonExecution`] rule):
+    /// safe to retry after the delay.
+    NotExecuted { retry_after: Option<Duration>, evidence: String },
+    /// The request may or may not have been executed. `retry_after` is the destination's own
+    /// request to wait (a 429 or 503 that does not prove non-execution): the readback waits too.
+    Unknown { retry_after: Option<Duration>, evidence: String },
+}
+
+/// What a readback proved.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Readback {
+    /// A task for this key exists; `payload_hash` says whether it is ours.
+    Found { task_id: String, payload_hash: String, evidence: String },
+    /// No task was found. `authoritative` is the lookup's own guarantee; the dispatcher still
+    /// applies time rules (key retention, query freshness) before treating it as proof.
+    Absent { authoritative: bool, evidence: String },
+    /// More than one task matches: the key is not unique at the destination.
+    Ambiguous { evidence: String },
+    /// The lookup could not be made.
+    Unavailable { evidence: String },
+}
+
+/// Which answers prove that the destination did **not** execute a create: a property of the
+/// destination and of what stands in front of it, not a constant. Behind a gateway or a load
+/// balancer a 503 can follow a request that was forwarded and committed, so by default no status
+/// proves anything: such answers are unknown and read back first (honouring `Retry-After`).
+/// A connection that was never made proves that nothing was sent, unless turned off.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NonExecution {
+    /// A failure to connect (DNS, TCP, TLS: before a byte of the request was written).
+    pub connect_failure: bool,
+    /// Statuses the destination documents as answered before any work (e.g. 429, 503).
+    pub statuses: Vec<u16>,
+}
+
+impl Default for NonExecution {
+    fn default() -> Self {
+        Self { connect_failure: true, statuses: Vec::new() }
+    }
+}
+
+/// Statuses every adapter decides by itself (success, conflict, permanent): a non-execution rule
+/// cannot claim them.
+pub const DECIDED_STATUSES: [u16; 5] = [400, 401, 403, 409, 422];
+
+/// A `--crm-not-executed` value that cannot be a rule.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NonExecutionError {
+    #[error("{0:?} is neither `connect-failure`, `none` nor an HTTP status 400-599")]
+    Invalid(String),
+    #[error("status {0} is decided by the adapter already (conflict or permanent), it cannot mean \"not executed\"")]
+    Decided(u16),
+}
+
+impl std::str::FromStr for NonExecution {
+    type Err = NonExecutionError;
+
+    /// A comma-separated list of `connect-failure` and statuses; `none` (or empty) proves nothing.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let mut rule = NonExecution { connect_failure: false, statuses: Vec::new() };
+        for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+            match item {
+                "none" => {}
+                "connect-failure" => rule.connect_failure = true,
+                status => {
+                    let code: u16 = status.parse().map_err(|_| NonExecutionError::Invalid(status.to_owned()))?;
+                    if !(400..=599).contains(&code) {
+                        return Err(NonExecutionError::Invalid(status.to_owned()));
+                    }
+                    if DECIDED_STATUSES.contains(&code) {
+                        return Err(NonExecutionError::Decided(code));
+                    }
+                    if !rule.statuses.contains(&code) {
+                        rule.statuses.push(code);
+                    }
+                }
+            }
+        }
+        Ok(rule)
+    }
+}
+
+impl std::fmt::Display for NonExecution {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut items: Vec<String> = Vec::new();
+        if self.connect_failure {
+            items.push("connect-failure".into());
+        }
+        items.extend(self.statuses.iter().map(u16::to_string));
+        if items.is_empty() { f.write_str("none") } else { f.write_str(&items.join(",")) }
+    }
+}
+
+/// An adapter: one destination API shape. It classifies, it never decides or retries.
+pub trait RemoteCrm: std::fmt::Debug + Send + Sync {
+    /// What this destination can prove with (drives the decision table).
+    fn capability(&self) -> Capability;
+
+    /// The destination account: every decision's evidence names it, and a dispatcher only works
+    /// its own account's rows (a lookup in another account would "prove" absence wrongly).
+    fn account(&self) -> &str;
+
+    /// One create attempt for `task`, carrying its operation key the way the destination
+    /// deduplicates (idempotency key, external id, unique property).
+    fn create<'a>(&'a self, task: &'a RemoteTask<'a>) -> BoxFuture<'a, CreateOutcome>;
+
+    /// Looks the task of `operation_key` up by whatever this destination can prove with.
+    fn readback<'a>(&'a self, operation_key: &'a str, traceparent: Option<TraceParent>) -> BoxFuture<'a, Readback>;
+}
+
+/// The adapters, by the API shape they speak (`--crm-adapter`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Adapter {
+    /// The `/v1/tasks` contract of `crm-sim` (README there): idempotency keys, unique external ids
+    /// and a search; which of them the destination guarantees is `--crm-capability`.
+    TasksApi,
+}
+
+/// What every HTTP adapter needs.
+#[derive(Clone)]
+pub struct HttpSettings {
+    /// Base URL, e.g. `https://crm.example.com`.
+    pub base_url: String,
+    /// Bearer token (secret; never logged).
+    pub token: String,
+    /// The destination account, recorded with every decision as evidence.
+    pub account: String,
+    /// Whole-request timeout; past it the outcome is unknown.
+    pub timeout: Duration,
+    /// Connect timeout; a connection never made proves nothing was sent.
+    pub connect_timeout: Duration,
+    /// Which answers prove a create was not executed.
+    pub not_executed: NonExecution,
+}
+
+impl std::fmt::Debug for HttpSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpSettings")
+            .field("base_url", &handoff_shared::config::redact_url(&self.base_url))
+            .field("token", &"<redacted>")
+            .field("account", &self.account)
+            .field("timeout", &self.timeout)
+            .field("not_executed", &self.not_executed.to_string())
+            .finish()
+    }
+}
+
+impl HttpSettings {
+    /// The HTTP client every adapter uses (one connection pool for all of a replica's calls).
+    pub fn client(&self) -> anyhow::Result<reqwest::Client> {
+        Ok(reqwest::Client::builder().timeout(self.timeout).connect_timeout(self.connect_timeout).build()?)
+    }
+
+    /// `path` under the base URL.
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base_url.trim_end_matches('/'))
+    }
+}
+
+/// The adapter `adapter`, connected with `settings` and declaring `capability` where the shape
+/// lets the operator declare it.
+pub fn connect(adapter: Adapter, settings: HttpSettings, capability: Capability) -> anyhow::Result<Arc<dyn RemoteCrm>> {
+    Ok(match adapter {
+        Adapter::TasksApi => Arc::new(tasks_api::TasksApi::new(settings, capability)?),
+    })
+}
+
+/// The outcome of a create that got no usable answer, by the destination's rule: a connection
+/// never made is proof nothing was sent when the rule says so.
+pub fn transport_failure(error: &reqwest::Error, rule: &NonExecution, call: &str) -> CreateOutcome {
+    if error.is_connect() && rule.connect_failure {
+        CreateOutcome::NotExecuted {
+            retry_after: None,
+            evidence: format!("{call}: connection failed before sending: {}", describe(error)),
+        }
+    } else {
+        CreateOutcome::Unknown { retry_after: None, evidence: format!("{call}: no response: {}", describe(error)) }
+    }
+}
+
+/// The outcome of a create answered with a status the adapter does not decide itself (429, 5xx,
+/// anything unexpected): not executed if the destination's rule says so, unknown otherwise. Either
+/// way the destination's `Retry-After` is honoured.
+pub fn undecided_status(response: &reqwest::Response, rule: &NonExecution, evidence: String) -> CreateOutcome {
+    let retry_after = response
+        .headers()
+        .get(reqwest::header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| parse_retry_after(v, std::time::SystemTime::now()));
+    if rule.statuses.contains(&response.status().as_u16()) {
+        CreateOutcome::NotExecuted { retry_after, evidence }
+    } else {
+        CreateOutcome::Unknown { retry_after, evidence }
+    }
+}
+
+/// The error and its causes, without the URL (it could carry credentials into notes and exports).
+fn describe(error: &reqwest::Error) -> String {
+    if error.is_timeout() {
+        "timed out".into()
+    } else {
+        let mut text = String::from(if error.is_connect() {
+            "connection failed"
+        } else if error.is_body() || error.is_decode() {
+            "response body failed"
+        } else {
+            "request failed"
+        });
+        let mut source = std::error::Error::source(error);
+        while let Some(cause) = source {
+            text.push_str(": ");
+            text.push_str(&cause.to_string());
+            source = cause.source();
+        }
+        text
+    }
+}
+
+/// A `Retry-After` value (RFC 9110 10.2.3): delay seconds, or an HTTP date (IMF-fixdate, and the
+/// obsolete RFC 850 and asctime forms recipients must accept), as the wait from `now`; a date in
+/// the past is no wait. `None` when it is neither.
+pub fn parse_retry_after(value: &str, now: std::time::SystemTime) -> Option<Duration> {
+    let value = value.trim();
+    if let Ok(seconds) = value.parse::<u64>() {
+        return Some(Duration::from_secs(seconds));
+    }
+    let at = httpdate::parse_http_date(value).ok()?;
+    Some(at.duration_since(now).unwrap_or(Duration::ZERO))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_is_read_as_seconds_or_as_an_http_date() {
+        let now = httpdate::parse_http_date("Sun, 06 Nov 1994 08:49:37 GMT").unwrap();
+        assert_eq!(parse_retry_after(" 120 ", now), Some(Duration::from_secs(120)));
+        assert_eq!(parse_retry_after("Sun, 06 Nov 1994 08:51:37 GMT", now), Some(Duration::from_secs(120)));
+        assert_eq!(parse_retry_after("Sunday, 06-Nov-94 08:50:37 GMT", now), Some(Duration::from_secs(60)));
+        assert_eq!(parse_retry_after("Sun Nov  6 08:49:47 1994", now), Some(Duration::from_secs(10)));
+        assert_eq!(parse_retry_after("Sun, 06 Nov 1994 08:00:00 GMT", now), Some(Duration::ZERO), "already past");
+        assert_eq!(parse_retry_after("soon", now), None);
+        assert_eq!(parse_retry_after("-5", now), None);
+    }
+
+    #[test]
+    fn non_execution_rules_parse_and_refuse_what_cannot_mean_not_executed() {
+        assert_eq!("".parse::<NonExecution>().unwrap(), NonExecution { connect_failure: false, statuses: vec![] });
+        assert_eq!("none".parse::<NonExecution>().unwrap().to_string(), "none");
+        let rule: NonExecution = "connect-failure, 429,503,429".parse().unwrap();
+        assert_eq!(rule, NonExecution { connect_failure: true, statuses: vec![429, 503] });
+        assert_eq!(rule.to_string(), "connect-failure,429,503");
+        assert_eq!(NonExecution::default().to_string(), "connect-failure");
+        assert_eq!("409".parse::<NonExecution>(), Err(NonExecutionError::Decided(409)));
+        assert_eq!("200".parse::<NonExecution>(), Err(NonExecutionError::Invalid("200".into())));
+        assert_eq!("refused".parse::<NonExecution>(), Err(NonExecutionError::Invalid("refused".into())));
+    }
+
+    #[test]
+    fn ledger_states_round_trip_through_their_names() {
+        for state in LedgerState::ALL {
+            assert_eq!(state.as_str().parse::<LedgerState>(), Ok(state));
+        }
+        assert!("settle".parse::<LedgerState>().is_err(), "a typo is an error, not a readback");
+    }
+}
