@@ -14,7 +14,7 @@ use handoff_shared::signing::SignaturePolicy;
 use handoff_shared::subject::Subjects;
 
 use crate::remote::dispatcher::DispatchSettings;
-use crate::remote::{Adapter, Capability, HttpSettings, NonExecution, RemoteCrm};
+use crate::remote::{Adapter, Capability, HttpSettings, NonExecution, RecordMapping, RemoteCrm};
 use crate::{ConsumerSettings, SubscriptionSettings};
 
 /// JetStream's own default (1,000) lets only four replicas of 250 messages work at once; 10,000
@@ -194,6 +194,22 @@ pub struct CrmArgs {
         default_value = "connect-failure"
     )]
     pub not_executed: NonExecution,
+    /// The object (record type) the upsert and unique-property adapters create; default per
+    /// adapter: `Task` (upsert), `tasks` (unique-property).
+    #[arg(long = "crm-object", env = "HANDOFF_CRM_OBJECT", value_name = "OBJECT")]
+    pub object: Option<String>,
+    /// The field holding the operation key: the external id field (upsert, default
+    /// `Handoff_Key__c`) or the unique property (unique-property, default `handoff_key`).
+    #[arg(long = "crm-key-field", env = "HANDOFF_CRM_KEY_FIELD", value_name = "FIELD")]
+    pub key_field: Option<String>,
+    /// The field holding the payload hash, write-once at the destination (default
+    /// `Handoff_Payload_Hash__c` for upsert, `handoff_hash` for unique-property).
+    #[arg(long = "crm-hash-field", env = "HANDOFF_CRM_HASH_FIELD", value_name = "FIELD")]
+    pub hash_field: Option<String>,
+    /// Record fields from the payload, comma-separated `RecordField=payload_field` (e.g.
+    /// `Subject=title,Description=notes`); empty: the payload's top-level fields as they are.
+    #[arg(long = "crm-field-map", env = "HANDOFF_CRM_FIELD_MAP", value_name = "MAP", default_value = "")]
+    pub field_map: String,
     /// What the CRM offers to prove an outcome: decides how unknown outcomes are resolved.
     #[arg(
         id = "crm_capability",
@@ -272,8 +288,51 @@ impl std::fmt::Debug for CrmArgs {
 }
 
 impl CrmArgs {
-    /// The declared capability.
+    /// What the destination can prove with: declared by --crm-capability for `tasks-api`; the
+    /// adapter's own for the others (upsert: external-id; unique-property: query-only with
+    /// --crm-query-freshness-secs).
     pub fn capability(&self) -> Capability {
+        match self.adapter {
+            Adapter::TasksApi => self.declared_capability(),
+            Adapter::Upsert => Capability::ExternalId,
+            Adapter::UniqueProperty => {
+                Capability::QueryOnly { freshness: Duration::from_secs(self.query_freshness_secs) }
+            }
+        }
+    }
+
+    /// The record mapping of the adapters with records, defaults per adapter.
+    pub fn mapping(&self) -> anyhow::Result<RecordMapping> {
+        let defaults = self.adapter.default_mapping();
+        let fields = RecordMapping::parse_fields(&self.field_map)
+            .map_err(|e| anyhow::anyhow!("--crm-field-map (HANDOFF_CRM_FIELD_MAP): {e}"))?;
+        let mapping = RecordMapping {
+            object: self.object.clone().unwrap_or(defaults.object),
+            key_field: self.key_field.clone().unwrap_or(defaults.key_field),
+            hash_field: self.hash_field.clone().unwrap_or(defaults.hash_field),
+            fields,
+        };
+        for (flag, value) in [
+            ("--crm-object (HANDOFF_CRM_OBJECT)", &mapping.object),
+            ("--crm-key-field (HANDOFF_CRM_KEY_FIELD)", &mapping.key_field),
+            ("--crm-hash-field (HANDOFF_CRM_HASH_FIELD)", &mapping.hash_field),
+        ] {
+            anyhow::ensure!(!value.trim().is_empty(), "{flag} must not be empty");
+        }
+        anyhow::ensure!(
+            mapping.key_field != mapping.hash_field,
+            "--crm-key-field and --crm-hash-field must name different fields"
+        );
+        if let Some((field, _)) =
+            mapping.fields.iter().find(|(f, _)| *f == mapping.key_field || *f == mapping.hash_field)
+        {
+            anyhow::bail!("--crm-field-map (HANDOFF_CRM_FIELD_MAP) maps {field:?}, the key or hash field");
+        }
+        Ok(mapping)
+    }
+
+    /// The capability --crm-capability declares.
+    fn declared_capability(&self) -> Capability {
         match self.capability {
             CapabilityArg::IdempotencyKey => {
                 Capability::IdempotencyKey { retention: Duration::from_secs(self.key_retention_secs) }
@@ -288,7 +347,7 @@ impl CrmArgs {
 
     /// The adapter these flags describe, ready to call the CRM.
     pub fn connect(&self) -> anyhow::Result<std::sync::Arc<dyn RemoteCrm>> {
-        crate::remote::connect(self.adapter, self.http_settings()?, self.capability())
+        crate::remote::connect(self.adapter, self.http_settings()?, self.capability(), self.mapping()?)
     }
 
     /// The HTTP settings these flags describe.
@@ -443,5 +502,28 @@ mod tests {
         ]))
         .unwrap();
         assert!(config.crm.http_settings().is_err());
+    }
+
+    #[test]
+    fn adapter_settings_are_checked_at_startup_naming_the_setting() {
+        let base =
+            ["handoff-consumer", "--database-url", "postgres://db/x", "--crm", "http", "--crm-url", "http://crm"];
+        let parse = |extra: &[&str]| ConsumerConfig::try_parse_from(base.iter().chain(extra)).map(|c| c.crm);
+        let error = parse(&["--crm-not-executed", "connect-failure,409"]).err().unwrap().to_string();
+        assert!(error.contains("--crm-not-executed") && error.contains("409"), "{error}");
+        let error = parse(&["--crm-adapter", "upsert", "--crm-field-map", "Subject"]).unwrap().connect().unwrap_err();
+        assert!(format!("{error:#}").contains("--crm-field-map (HANDOFF_CRM_FIELD_MAP)"), "{error:#}");
+        let error = parse(&["--crm-adapter", "upsert", "--crm-hash-field", "K", "--crm-key-field", "K"])
+            .unwrap()
+            .mapping()
+            .unwrap_err();
+        assert!(format!("{error:#}").contains("--crm-key-field and --crm-hash-field"), "{error:#}");
+        // Each adapter proves with its own capability; --crm-capability is for tasks-api.
+        let upsert = parse(&["--crm-adapter", "upsert", "--crm-capability", "none"]).unwrap();
+        assert_eq!(upsert.capability(), Capability::ExternalId);
+        assert_eq!(upsert.mapping().unwrap().object, "Task");
+        let unique = parse(&["--crm-adapter", "unique-property", "--crm-query-freshness-secs", "7"]).unwrap();
+        assert_eq!(unique.capability(), Capability::QueryOnly { freshness: Duration::from_secs(7) });
+        assert!(unique.connect().is_ok());
     }
 }

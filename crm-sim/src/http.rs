@@ -32,6 +32,7 @@ pub(crate) fn router(sim: Arc<Inner>) -> Router {
         .route("/v1/tasks", post(create_task).get(search_tasks))
         .route("/v1/tasks/by-key/{key}", get(task_by_key))
         .route("/v1/tasks/by-external-id/{external_id}", get(task_by_external_id))
+        .merge(crate::shapes::routes())
         .route_layer(middleware::from_fn_with_state(sim.clone(), authorize))
         .route_layer(middleware::from_fn_with_state(sim.clone(), record_trace))
         .route_layer(middleware::from_fn_with_state(sim.clone(), add_latency));
@@ -185,33 +186,9 @@ async fn create_task(State(sim): State<Arc<Inner>>, headers: HeaderMap, body: By
     // Faults are matched before validation, on the key or else the external id, so that an
     // injected 401/429/503 answers whatever the body says.
     let target = key.clone().or_else(|| parsed.as_ref().ok().map(|(task, _)| task.external_id.clone()));
-    let (lose_reply, gateway_503) = match sim.faults.take(target.as_deref(), Endpoint::Create) {
-        None | Some(FaultKind::ReadbackUnavailable) => (false, false),
-        Some(FaultKind::LoseReplyAfterCommit) => (true, false),
-        Some(FaultKind::Gateway503AfterCommit) => (false, true),
-        Some(FaultKind::FailBeforeCommit) => return ApiError::Unavailable.into_response(),
-        Some(FaultKind::RateLimited { retry_after }) => return ApiError::RateLimited { retry_after }.into_response(),
-        Some(FaultKind::ValidationError) => {
-            return ApiError::Validation("rejected by fault injection".into()).into_response();
-        }
-        Some(FaultKind::AuthError) => return ApiError::Unauthorized.into_response(),
-        Some(FaultKind::ResetBeforeCommit) => return drop_connection(),
-        Some(FaultKind::HoldUntilReleased) => {
-            // As with `slow`: a client that gives up drops this future before anything is stored.
-            tokio::select! {
-                () = sim.faults.hold() => {}
-                () = sim.stopping.cancelled() => return drop_connection(),
-            }
-            (false, false)
-        }
-        Some(FaultKind::Slow(delay)) => {
-            // If the client gives up during the delay, hyper sees the connection close and drops
-            // this future: the request is abandoned before anything is stored.
-            if sim.pause(delay).await.is_err() {
-                return drop_connection();
-            }
-            (false, false)
-        }
+    let after = match create_fault(&sim, target.as_deref()).await {
+        Ok(after) => after,
+        Err(answer) => return answer,
     };
     let new = match parsed {
         Ok((new, _)) => new,
@@ -228,22 +205,68 @@ async fn create_task(State(sim): State<Arc<Inner>>, headers: HeaderMap, body: By
         }
         Err(err) => tracing::info!(external_id = %new.external_id, key = ?key, error = %err, "create refused"),
     }
-    if lose_reply {
-        tracing::info!(external_id = %new.external_id, key = ?key, hold = ?sim.config.lost_reply_hold, "losing the reply");
+    let answer = match outcome {
+        Ok(Created::New(task)) => (StatusCode::CREATED, Json(TaskReply { task, replayed: false })).into_response(),
+        Ok(Created::Replayed(task)) => (StatusCode::OK, Json(TaskReply { task, replayed: true })).into_response(),
+        Err(err) => ApiError::from(err).into_response(),
+    };
+    answer_create(&sim, after, &new.external_id, answer).await
+}
+
+/// What a create's fault does once the request has been processed.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct AfterCommit {
+    lose_reply: bool,
+    gateway_503: bool,
+}
+
+/// Takes the fault for a create about `target` (every shape's create goes through here): the
+/// answer when the fault refuses or drops the request before anything is processed, or what to
+/// do with the reply after processing.
+pub(crate) async fn create_fault(sim: &Inner, target: Option<&str>) -> Result<AfterCommit, Response> {
+    match sim.faults.take(target, Endpoint::Create) {
+        None | Some(FaultKind::ReadbackUnavailable) => Ok(AfterCommit::default()),
+        Some(FaultKind::LoseReplyAfterCommit) => Ok(AfterCommit { lose_reply: true, gateway_503: false }),
+        Some(FaultKind::Gateway503AfterCommit) => Ok(AfterCommit { lose_reply: false, gateway_503: true }),
+        Some(FaultKind::FailBeforeCommit) => Err(ApiError::Unavailable.into_response()),
+        Some(FaultKind::RateLimited { retry_after }) => Err(ApiError::RateLimited { retry_after }.into_response()),
+        Some(FaultKind::ValidationError) => {
+            Err(ApiError::Validation("rejected by fault injection".into()).into_response())
+        }
+        Some(FaultKind::AuthError) => Err(ApiError::Unauthorized.into_response()),
+        Some(FaultKind::ResetBeforeCommit) => Err(drop_connection()),
+        Some(FaultKind::Slow(delay)) => {
+            // If the client gives up during the delay, hyper sees the connection close and drops
+            // this future: the request is abandoned before anything is stored.
+            if sim.pause(delay).await.is_err() {
+                return Err(drop_connection());
+            }
+            Ok(AfterCommit::default())
+        }
+        Some(FaultKind::HoldUntilReleased) => {
+            // As with `slow`: a client that gives up drops this future before anything is stored.
+            tokio::select! {
+                () = sim.faults.hold() => Ok(AfterCommit::default()),
+                () = sim.stopping.cancelled() => Err(drop_connection()),
+            }
+        }
+    }
+}
+
+/// The reply to a processed create about `target`, as its fault wants it delivered.
+pub(crate) async fn answer_create(sim: &Inner, after: AfterCommit, target: &str, answer: Response) -> Response {
+    if after.lose_reply {
+        tracing::info!(target, hold = ?sim.config.lost_reply_hold, "losing the reply");
         // Hold the request so the client times out first; then close without answering. A
         // shutdown ends the hold early (same outcome for the client: no reply).
         let _ = sim.pause(sim.config.lost_reply_hold).await;
         return drop_connection();
     }
-    if gateway_503 {
-        tracing::info!(external_id = %new.external_id, key = ?key, "answering 503 after the commit (gateway fault)");
+    if after.gateway_503 {
+        tracing::info!(target, "answering 503 after the commit (gateway fault)");
         return ApiError::Unavailable.into_response();
     }
-    match outcome {
-        Ok(Created::New(task)) => (StatusCode::CREATED, Json(TaskReply { task, replayed: false })).into_response(),
-        Ok(Created::Replayed(task)) => (StatusCode::OK, Json(TaskReply { task, replayed: true })).into_response(),
-        Err(err) => ApiError::from(err).into_response(),
-    }
+    answer
 }
 
 fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, String> {
@@ -256,7 +279,7 @@ fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, String> {
 }
 
 /// Is a read about `target` refused by a `ReadbackUnavailable` fault?
-fn readback_refused(sim: &Inner, target: &str) -> bool {
+pub(crate) fn readback_refused(sim: &Inner, target: &str) -> bool {
     sim.faults.take(Some(target), Endpoint::Read).is_some()
 }
 

@@ -46,6 +46,7 @@
 
 mod faults;
 mod http;
+mod shapes;
 mod store;
 
 use std::fmt;
@@ -91,6 +92,15 @@ pub struct SimConfig {
     /// How long a [`FaultKind::LoseReplyAfterCommit`] request is held before its connection is
     /// closed (longer than the client's timeout, so the client gives up first).
     pub lost_reply_hold: Duration,
+    /// The upsert shape: the record field holding the payload hash.
+    pub upsert_hash_field: String,
+    /// The upsert shape: refuse an update that changes the payload hash (the validation rule an org
+    /// installs for handoff). Off, an upsert silently overwrites: the hazard it guards against.
+    pub hash_write_once: bool,
+    /// The unique-property shape: the unique property carrying the operation key.
+    pub unique_property: String,
+    /// The unique-property shape: the property holding the payload hash.
+    pub hash_property: String,
 }
 
 impl Default for SimConfig {
@@ -102,6 +112,10 @@ impl Default for SimConfig {
             query_visibility_lag: Duration::ZERO,
             latency: Duration::ZERO,
             lost_reply_hold: Duration::from_secs(60),
+            upsert_hash_field: "Handoff_Payload_Hash__c".into(),
+            hash_write_once: true,
+            unique_property: "handoff_key".into(),
+            hash_property: "handoff_hash".into(),
         }
     }
 }
@@ -115,6 +129,10 @@ impl fmt::Debug for SimConfig {
             .field("query_visibility_lag", &self.query_visibility_lag)
             .field("latency", &self.latency)
             .field("lost_reply_hold", &self.lost_reply_hold)
+            .field("upsert_hash_field", &self.upsert_hash_field)
+            .field("hash_write_once", &self.hash_write_once)
+            .field("unique_property", &self.unique_property)
+            .field("hash_property", &self.hash_property)
             .finish()
     }
 }
@@ -122,12 +140,16 @@ impl fmt::Debug for SimConfig {
 /// How many `/v1` requests of each sort passed authentication (faulted ones included).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RequestCounts {
-    /// `POST /v1/tasks`.
+    /// Creates of every shape: `POST /v1/tasks`, the upsert `PATCH .../sobjects/..`, `POST /crm/v3/objects/..`.
     pub creates: u64,
-    /// `GET /v1/tasks/by-key/..` and `GET /v1/tasks/by-external-id/..`.
+    /// Lookups: `GET /v1/tasks/by-key/..`, `GET /v1/tasks/by-external-id/..`, `GET .../sobjects/..`
+    /// and `GET /crm/v3/objects/{type}/{id}`.
     pub readbacks: u64,
-    /// `GET /v1/tasks?external_id=..`.
+    /// Searches: `GET /v1/tasks?external_id=..` and `POST /crm/v3/objects/{type}/search`.
     pub queries: u64,
+    /// Upserts that updated an existing record (each fires the CRM's update workflows).
+    #[serde(default)]
+    pub updates: u64,
 }
 
 /// `GET /_admin/effects`: what the CRM did, for checks like "exactly one task".
@@ -156,6 +178,7 @@ struct Counters {
     creates: AtomicU64,
     readbacks: AtomicU64,
     queries: AtomicU64,
+    updates: AtomicU64,
 }
 
 /// Shared by the handle and every request.
@@ -207,6 +230,7 @@ impl Inner {
             creates: self.counters.creates.load(Ordering::Relaxed),
             readbacks: self.counters.readbacks.load(Ordering::Relaxed),
             queries: self.counters.queries.load(Ordering::Relaxed),
+            updates: self.counters.updates.load(Ordering::Relaxed),
         }
     }
 }

@@ -38,6 +38,18 @@ struct Args {
     /// connection is closed, seconds.
     #[arg(long, env = "CRM_SIM_LOST_REPLY_HOLD_SECS", default_value_t = 60)]
     lost_reply_hold_secs: u64,
+    /// The upsert shape's record field holding the payload hash.
+    #[arg(long, env = "CRM_SIM_UPSERT_HASH_FIELD", default_value = "Handoff_Payload_Hash__c")]
+    upsert_hash_field: String,
+    /// The upsert shape refuses an update that changes the payload hash (true/false).
+    #[arg(long, env = "CRM_SIM_HASH_WRITE_ONCE", default_value_t = true, action = ArgAction::Set)]
+    hash_write_once: bool,
+    /// The unique-property shape's unique property (carries the operation key).
+    #[arg(long, env = "CRM_SIM_UNIQUE_PROPERTY", default_value = "handoff_key")]
+    unique_property: String,
+    /// The unique-property shape's property holding the payload hash.
+    #[arg(long, env = "CRM_SIM_HASH_PROPERTY", default_value = "handoff_hash")]
+    hash_property: String,
     /// Log format.
     #[arg(long, env = "LOG_FORMAT", value_enum, default_value = "text")]
     log_format: LogFormat,
@@ -52,6 +64,10 @@ impl Args {
             query_visibility_lag: Duration::from_millis(self.query_visibility_lag_ms),
             latency: Duration::from_millis(self.latency_ms),
             lost_reply_hold: Duration::from_secs(self.lost_reply_hold_secs),
+            upsert_hash_field: self.upsert_hash_field.clone(),
+            hash_write_once: self.hash_write_once,
+            unique_property: self.unique_property.clone(),
+            hash_property: self.hash_property.clone(),
         }
     }
 }

@@ -40,6 +40,28 @@ pub(crate) enum Created {
     Replayed(Task),
 }
 
+/// What an upsert by external id did (the Salesforce-shaped surface).
+#[derive(Debug)]
+pub(crate) enum Upserted {
+    /// No record had the external id: a new one, one more provider effect.
+    Created(Task),
+    /// One record had it and now holds the request's fields: an update (it fires the CRM's
+    /// workflows, though no new effect is counted).
+    Updated(Task),
+    /// One record had it with another payload hash, which is write-once: refused, unchanged.
+    HashLocked { task_id: String },
+    /// Several records have the external id: refused, nothing changed.
+    Multiple(Vec<String>),
+}
+
+/// What a create with a unique property did (the HubSpot-shaped surface).
+#[derive(Debug)]
+pub(crate) enum UniqueCreated {
+    Created(Task),
+    /// A record already holds the unique value: refused, nothing changed.
+    Exists(Task),
+}
+
 /// Why a create was refused (nothing was written).
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum CreateError {
@@ -204,6 +226,72 @@ impl Store {
         }
         tx.commit().await?;
         Ok(Created::New(row.into()))
+    }
+
+    /// Upsert by external id: create if absent, update the one record otherwise, unless its payload
+    /// hash differs and `hash_write_once` (the validation rule an org installs) refuses it.
+    pub async fn upsert(&self, new: &NewTask, hash_write_once: bool) -> Result<Upserted, sqlx::Error> {
+        let mut tx = self.pool.begin().await?;
+        lock(&mut tx, EXTERNAL_ID_LOCK, &new.external_id).await?;
+        let existing: Vec<TaskRow> = sqlx::query_as(
+            "SELECT id, external_id, idempotency_key, payload_hash, data, created_at
+             FROM crm_sim.tasks WHERE external_id = $1 ORDER BY id",
+        )
+        .bind(&new.external_id)
+        .fetch_all(&mut *tx)
+        .await?;
+        let upserted = match existing.as_slice() {
+            [] => Upserted::Created(insert_task(&mut tx, None, new).await?.into()),
+            [one] if hash_write_once && one.payload_hash != new.payload_hash => {
+                return Ok(Upserted::HashLocked { task_id: task_id(one.id) });
+            }
+            [one] => {
+                let row: TaskRow = sqlx::query_as(
+                    "UPDATE crm_sim.tasks SET payload_hash = $2, data = $3 WHERE id = $1
+                     RETURNING id, external_id, idempotency_key, payload_hash, data, created_at",
+                )
+                .bind(one.id)
+                .bind(&new.payload_hash)
+                .bind(Value::Object(new.data.clone()))
+                .fetch_one(&mut *tx)
+                .await?;
+                Upserted::Updated(row.into())
+            }
+            many => return Ok(Upserted::Multiple(many.iter().map(|row| task_id(row.id)).collect())),
+        };
+        tx.commit().await?;
+        Ok(upserted)
+    }
+
+    /// A create whose external id is a unique property: refused when a record holds the value.
+    pub async fn create_unique(&self, new: &NewTask) -> Result<UniqueCreated, sqlx::Error> {
+        let mut tx = self.pool.begin().await?;
+        lock(&mut tx, EXTERNAL_ID_LOCK, &new.external_id).await?;
+        let existing: Option<TaskRow> = sqlx::query_as(
+            "SELECT id, external_id, idempotency_key, payload_hash, data, created_at
+             FROM crm_sim.tasks WHERE external_id = $1 ORDER BY id LIMIT 1",
+        )
+        .bind(&new.external_id)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if let Some(row) = existing {
+            return Ok(UniqueCreated::Exists(row.into()));
+        }
+        let row = insert_task(&mut tx, None, new).await?;
+        tx.commit().await?;
+        Ok(UniqueCreated::Created(row.into()))
+    }
+
+    /// A task by its id (`T-000001`), read-your-writes.
+    pub async fn by_task_id(&self, id: &str) -> Result<Option<Task>, sqlx::Error> {
+        let Some(id) = id.strip_prefix("T-").and_then(|n| n.parse::<i64>().ok()) else { return Ok(None) };
+        let row: Option<TaskRow> = sqlx::query_as(
+            "SELECT id, external_id, idempotency_key, payload_hash, data, created_at FROM crm_sim.tasks WHERE id = $1",
+        )
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(row.map(Task::from))
     }
 
     /// Puts a task in directly, without idempotency or uniqueness checks (the admin seed). A key

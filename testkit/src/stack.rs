@@ -452,6 +452,7 @@ impl Stack {
                     Adapter::TasksApi,
                     Self::http_settings(crm),
                     Capability::ExternalId,
+                    Adapter::TasksApi.default_mapping(),
                 )?;
                 let dispatcher = Dispatcher::new(consumer_pool, adapter, settings);
                 tasks.spawn(dispatcher.run_until_stopped(token.clone()));

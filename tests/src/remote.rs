@@ -85,6 +85,17 @@ impl TestEnv {
         self.sim_crm_with(sim, capability, NonExecution::default())
     }
 
+    /// `adapter` on `sim` (which speaks every shape), with the default rule and mapping; the
+    /// unique-property adapter's search is trusted after `freshness`.
+    pub fn sim_adapter(&self, sim: &SimHandle, adapter: Adapter, freshness: Duration) -> Arc<dyn RemoteCrm> {
+        let capability = match adapter {
+            Adapter::TasksApi | Adapter::Upsert => Capability::ExternalId,
+            Adapter::UniqueProperty => Capability::QueryOnly { freshness },
+        };
+        handoff_consumer::remote::connect(adapter, self.http_settings(sim), capability, adapter.default_mapping())
+            .expect("an HTTP client")
+    }
+
     /// The `/v1/tasks` adapter on `sim` with the non-execution rule `not_executed`.
     pub fn sim_crm_with(
         &self,
@@ -93,7 +104,8 @@ impl TestEnv {
         not_executed: NonExecution,
     ) -> Arc<dyn RemoteCrm> {
         let settings = HttpSettings { not_executed, ..self.http_settings(sim) };
-        handoff_consumer::remote::connect(Adapter::TasksApi, settings, capability).expect("an HTTP client")
+        handoff_consumer::remote::connect(Adapter::TasksApi, settings, capability, Adapter::TasksApi.default_mapping())
+            .expect("an HTTP client")
     }
 
     /// Dispatcher settings for tests: immediate readbacks and retries, short windows.

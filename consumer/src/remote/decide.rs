@@ -59,6 +59,9 @@ pub fn after_create(
         CreateOutcome::Permanent { evidence } => {
             decide(LedgerState::Review, Duration::ZERO, format!("rejected, not retryable ({evidence})"))
         }
+        CreateOutcome::Ambiguous { evidence } => {
+            decide(LedgerState::Review, Duration::ZERO, format!("several CRM records match this key ({evidence})"))
+        }
         // The replay was refused, but the attempt before it may still have been executed.
         CreateOutcome::NotExecuted { retry_after, .. } if replay => decide(
             LedgerState::Unknown,
@@ -312,9 +315,11 @@ mod tests {
 
     #[test]
     fn conflicts_and_permanent_errors_go_to_review_at_once() {
-        for outcome in
-            [CreateOutcome::Conflict { evidence: "409".into() }, CreateOutcome::Permanent { evidence: "422".into() }]
-        {
+        for outcome in [
+            CreateOutcome::Conflict { evidence: "409".into() },
+            CreateOutcome::Permanent { evidence: "422".into() },
+            CreateOutcome::Ambiguous { evidence: "300".into() },
+        ] {
             assert_eq!(after_create(EXTERNAL, &outcome, &op(1), &settings()).state, LedgerState::Review);
         }
     }

@@ -379,7 +379,9 @@ struct Outcome {
 fn create_evidence(call: &str, outcome: &CreateOutcome) -> String {
     let text = match outcome {
         CreateOutcome::Created { task_id, evidence } => format!("{evidence}: task {task_id}"),
-        CreateOutcome::Conflict { evidence } | CreateOutcome::Permanent { evidence } => evidence.clone(),
+        CreateOutcome::Conflict { evidence }
+        | CreateOutcome::Permanent { evidence }
+        | CreateOutcome::Ambiguous { evidence } => evidence.clone(),
         CreateOutcome::NotExecuted { retry_after, evidence } | CreateOutcome::Unknown { retry_after, evidence } => {
             match retry_after {
                 Some(after) => format!("{evidence}, Retry-After {}s", after.as_secs()),

@@ -11,6 +11,8 @@
 //! | [`dispatcher`] | claim, call, record: the loop every replica runs |
 //! | [`ledger`] | every statement on the ledger, its evidence and the operators' audit |
 //! | [`tasks_api`] | the `/v1/tasks` contract (`crm-sim`): idempotency keys, external ids, search |
+//! | [`upsert`] | upsert by external id (Salesforce-shaped), the payload hash write-once on the record |
+//! | [`unique_property`] | create with a unique property, 409 on a repeat, an eventually consistent search (HubSpot-shaped) |
 //!
 //! **Adding an adapter** is one file implementing [`RemoteCrm`] and one arm in [`Adapter`] /
 //! [`connect`]; the dispatcher and the decision table do not change. An adapter owns two things
@@ -28,6 +30,8 @@ pub mod decide;
 pub mod dispatcher;
 pub mod ledger;
 pub mod tasks_api;
+pub mod unique_property;
+pub mod upsert;
 
 /// The W3C Trace Context header every CRM call carries when the action came with a trace.
 pub const TRACEPARENT: &str = "traceparent";
@@ -175,6 +179,8 @@ pub enum CreateOutcome {
     Conflict { evidence: String },
     /// Rejected for a reason a retry cannot fix (validation, authorization).
     Permanent { evidence: String },
+    /// Several records match the key at the destination: nothing was written, a person decides.
+    Ambiguous { evidence: String },
     /// The CRM refused before executing anything (by this destination's [`NonExecution`] rule):
     /// safe to retry after the delay.
     NotExecuted { retry_after: Option<Duration>, evidence: String },
@@ -291,6 +297,97 @@ pub enum Adapter {
     /// The `/v1/tasks` contract of `crm-sim` (README there): idempotency keys, unique external ids
     /// and a search; which of them the destination guarantees is `--crm-capability`.
     TasksApi,
+    /// Upsert by external id (Salesforce-shaped `PATCH .../sobjects/<Object>/<Field>/<key>`):
+    /// readback by external id is authoritative.
+    Upsert,
+    /// Create with a unique property (HubSpot-shaped `POST /crm/v3/objects/<type>`, 409 on a
+    /// repeat) and an eventually consistent search for readback.
+    UniqueProperty,
+}
+
+impl Adapter {
+    /// The record mapping this adapter uses when none is configured.
+    pub fn default_mapping(self) -> RecordMapping {
+        let (object, key_field, hash_field) = match self {
+            Adapter::TasksApi => ("tasks", "external_id", "payload_hash"),
+            Adapter::Upsert => ("Task", "Handoff_Key__c", "Handoff_Payload_Hash__c"),
+            Adapter::UniqueProperty => ("tasks", "handoff_key", "handoff_hash"),
+        };
+        RecordMapping {
+            object: object.into(),
+            key_field: key_field.into(),
+            hash_field: hash_field.into(),
+            fields: Vec::new(),
+        }
+    }
+}
+
+/// How an approved payload becomes a destination record (the adapters with records: `upsert`,
+/// `unique-property`). The key field carries the operation key, the hash field the payload hash
+/// (how a readback tells our record from another's); the other fields come from the payload.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordMapping {
+    /// The object (record type), e.g. `Task`.
+    pub object: String,
+    /// The external id field or unique property holding the operation key.
+    pub key_field: String,
+    /// The field holding the payload hash.
+    pub hash_field: String,
+    /// `(record field, payload field)` pairs; empty: the payload's top-level fields as they are.
+    pub fields: Vec<(String, String)>,
+}
+
+/// A payload the mapping cannot turn into a record.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MappingError {
+    #[error("the payload is not a JSON object")]
+    NotAnObject,
+    #[error("the payload has no field {0:?} (mapped to {1:?})")]
+    Missing(String, String),
+    #[error("the payload sets {0:?}, which the mapping reserves for the operation key or the hash")]
+    Reserved(String),
+}
+
+impl RecordMapping {
+    /// Parses `--crm-field-map`: comma-separated `RecordField=payload_field` pairs (empty: none).
+    pub fn parse_fields(text: &str) -> Result<Vec<(String, String)>, String> {
+        text.split(',')
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+            .map(|pair| match pair.split_once('=') {
+                Some((field, from)) if !field.trim().is_empty() && !from.trim().is_empty() => {
+                    Ok((field.trim().to_owned(), from.trim().to_owned()))
+                }
+                _ => Err(format!("{pair:?} is not RecordField=payload_field")),
+            })
+            .collect()
+    }
+
+    /// The record's fields for `payload`, without the key and hash fields (the adapter adds them
+    /// where its API wants them).
+    pub fn fields_of(
+        &self,
+        payload: &serde_json::Value,
+    ) -> Result<serde_json::Map<String, serde_json::Value>, MappingError> {
+        let object = payload.as_object().ok_or(MappingError::NotAnObject)?;
+        let record: serde_json::Map<String, serde_json::Value> = if self.fields.is_empty() {
+            object.clone()
+        } else {
+            self.fields
+                .iter()
+                .map(|(field, from)| {
+                    object
+                        .get(from)
+                        .map(|value| (field.clone(), value.clone()))
+                        .ok_or_else(|| MappingError::Missing(from.clone(), field.clone()))
+                })
+                .collect::<Result<_, _>>()?
+        };
+        if let Some(reserved) = [&self.key_field, &self.hash_field].into_iter().find(|f| record.contains_key(*f)) {
+            return Err(MappingError::Reserved(reserved.clone()));
+        }
+        Ok(record)
+    }
 }
 
 /// What every HTTP adapter needs.
@@ -334,12 +431,33 @@ impl HttpSettings {
     }
 }
 
-/// The adapter `adapter`, connected with `settings` and declaring `capability` where the shape
-/// lets the operator declare it.
-pub fn connect(adapter: Adapter, settings: HttpSettings, capability: Capability) -> anyhow::Result<Arc<dyn RemoteCrm>> {
+/// The adapter `adapter`, connected with `settings`. `capability` is what the destination
+/// guarantees: declared for `tasks-api`, the adapter's own for the others (see
+/// `config::CrmArgs::capability`); `mapping` is used by the adapters with records.
+pub fn connect(
+    adapter: Adapter,
+    settings: HttpSettings,
+    capability: Capability,
+    mapping: RecordMapping,
+) -> anyhow::Result<Arc<dyn RemoteCrm>> {
     Ok(match adapter {
         Adapter::TasksApi => Arc::new(tasks_api::TasksApi::new(settings, capability)?),
+        Adapter::Upsert => Arc::new(upsert::Upsert::new(settings, mapping)?),
+        Adapter::UniqueProperty => Arc::new(unique_property::UniqueProperty::new(settings, capability, mapping)?),
     })
+}
+
+/// `value` as one URL path segment (operation keys hold `:`; anything else is escaped).
+pub fn path_segment(value: &str) -> String {
+    let mut out = String::with_capacity(value.len());
+    for byte in value.bytes() {
+        if byte.is_ascii_alphanumeric() || b"-._~:".contains(&byte) {
+            out.push(byte as char);
+        } else {
+            out.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    out
 }
 
 /// The outcome of a create that got no usable answer, by the destination's rule: a connection
@@ -440,5 +558,35 @@ mod tests {
             assert_eq!(state.as_str().parse::<LedgerState>(), Ok(state));
         }
         assert!("settle".parse::<LedgerState>().is_err(), "a typo is an error, not a readback");
+    }
+
+    #[test]
+    fn a_record_mapping_takes_the_mapped_fields_and_refuses_what_it_cannot_map() {
+        let payload = serde_json::json!({"title": "Call", "notes": "about the repair", "case_id": "case-104"});
+        let mut mapping = Adapter::Upsert.default_mapping();
+        assert_eq!(mapping.fields_of(&payload).unwrap().len(), 3, "no map: the payload's fields as they are");
+        mapping.fields = RecordMapping::parse_fields(" Subject=title, Description=notes ").unwrap();
+        let record = mapping.fields_of(&payload).unwrap();
+        assert_eq!(
+            serde_json::Value::Object(record),
+            serde_json::json!({"Subject": "Call", "Description": "about the repair"})
+        );
+        mapping.fields.push(("WhatId".into(), "account".into()));
+        assert_eq!(mapping.fields_of(&payload), Err(MappingError::Missing("account".into(), "WhatId".into())));
+        let unmapped = Adapter::UniqueProperty.default_mapping();
+        assert_eq!(
+            unmapped.fields_of(&serde_json::json!({"handoff_key": "x", "title": "Call"})),
+            Err(MappingError::Reserved("handoff_key".into()))
+        );
+        assert_eq!(unmapped.fields_of(&serde_json::json!([1])), Err(MappingError::NotAnObject));
+        assert!(RecordMapping::parse_fields("Subject").is_err());
+        assert!(RecordMapping::parse_fields("=title").is_err());
+        assert_eq!(RecordMapping::parse_fields("").unwrap(), vec![]);
+    }
+
+    #[test]
+    fn keys_are_one_path_segment() {
+        assert_eq!(path_segment("harbor:create-followup:v1:case-104"), "harbor:create-followup:v1:case-104");
+        assert_eq!(path_segment("a/b c?"), "a%2Fb%20c%3F");
     }
 }

@@ -2,6 +2,7 @@
 //! `handoff_tests::TestEnv`) and proves its claim by counting rows in the outbox, messages in the
 //! stream and tasks in the CRM store.
 
+mod adapters;
 mod admin;
 mod atomic;
 mod consumer;
