@@ -35,6 +35,9 @@ pub struct BlockedRow {
 pub enum ReviewError {
     #[error("no ledger row for operation key {0}")]
     NotFound(String),
+    /// The key went to several destination accounts; each is its own row.
+    #[error("operation key {key} has ledger rows in several accounts ({}); resolve it in the CRM of each account and record the outcome per account with SQL, or ask the maintainers for --account", .accounts.join(", "))]
+    SeveralAccounts { key: String, accounts: Vec<String> },
     /// Only undecided rows that no replica is working on can be resolved by a person.
     #[error("operation key {key} is {state}{}; only unknown or review rows not held by a replica can be resolved", if *.leased { " and leased by a replica" } else { "" })]
     NotResolvable { key: String, state: LedgerState, leased: bool },
@@ -93,7 +96,17 @@ pub struct History {
 
 /// The full history of one key.
 pub async fn history(pool: &PgPool, key: &str) -> Result<History, ReviewError> {
-    let operation = ledger::operation(pool, key).await?.ok_or_else(|| ReviewError::NotFound(key.to_owned()))?;
+    let mut rows = ledger::operations(pool, key).await?;
+    let operation = match rows.len() {
+        0 => return Err(ReviewError::NotFound(key.to_owned())),
+        1 => rows.remove(0),
+        _ => {
+            return Err(ReviewError::SeveralAccounts {
+                key: key.to_owned(),
+                accounts: rows.into_iter().map(|r| r.account).collect(),
+            });
+        }
+    };
     let events = ledger::events(pool, key).await?;
     let audit = ledger::audit_trail(pool, key).await?;
     Ok(History { operation, events, audit })
@@ -136,18 +149,27 @@ async fn resolve(
     require(actor, reason)?;
     let mut tx = pool.begin().await?;
     // Locked, so a dispatcher cannot claim it between the check and the update.
-    let Some((current, leased)) = ledger::lock_for_resolution(&mut tx, key).await? else {
-        return Err(ReviewError::NotFound(key.to_owned()));
+    let mut rows = ledger::lock_for_resolution(&mut tx, key).await?;
+    let (account, current, leased) = match rows.len() {
+        0 => return Err(ReviewError::NotFound(key.to_owned())),
+        1 => rows.remove(0),
+        _ => {
+            return Err(ReviewError::SeveralAccounts {
+                key: key.to_owned(),
+                accounts: rows.into_iter().map(|(account, ..)| account).collect(),
+            });
+        }
     };
     if leased || !matches!(current, LedgerState::Unknown | LedgerState::Review) {
         return Err(ReviewError::NotResolvable { key: key.to_owned(), state: current, leased });
     }
     let note = format!("{action} by {actor}: {reason}");
-    ledger::apply_resolution(&mut tx, key, new_state, receipt, &note).await?;
+    ledger::apply_resolution(&mut tx, &account, key, new_state, receipt, &note).await?;
     ledger::insert_audit(&mut tx, &ledger::Audit { key: Some(key), action_type: None, actor, action, reason, receipt })
         .await?;
     ledger::insert_event(
         &mut tx,
+        &account,
         key,
         &Event { kind: "operator", attempt: None, evidence: &note },
         None,

@@ -241,7 +241,7 @@ impl Dispatcher {
                 events,
             })
             .collect();
-        let applied = match ledger::record_many(&self.pool, &items).await {
+        let applied = match ledger::record_many(&self.pool, self.crm.account(), &items).await {
             Ok(applied) => applied,
             Err(error) => {
                 // The leases will expire and the next claimer reads back, so nothing is retried

@@ -17,8 +17,8 @@ use crate::crm::{Crm, CrmError, TaskOutcome, TaskRequest};
 /// acked once this is committed: from then on the database, not the broker, owns the retries.
 #[derive(Debug, Clone)]
 pub struct LedgerCrm {
-    /// The destination account, recorded on every ledger row (the ledger is unique per operation
-    /// key alone: one account per consumer database until the key includes the account).
+    /// The destination account, recorded on every ledger row: the ledger is unique per
+    /// (account, operation key), and a dispatcher only works its own account's rows.
     pub account: String,
 }
 
@@ -33,11 +33,11 @@ impl Crm for LedgerCrm {
         const ACCEPT: &str = r#"
             INSERT INTO handoff_consumer.crm_operation (operation_key, account, payload_hash, payload, traceparent)
             SELECT k, $1, h, p, t FROM UNNEST($2::text[], $3::text[], $4::jsonb[], $5::text[]) AS u(k, h, p, t)
-            ON CONFLICT (operation_key) DO NOTHING
+            ON CONFLICT (account, operation_key) DO NOTHING
             RETURNING operation_key"#;
         const EXISTING: &str = r#"
             SELECT operation_key, payload_hash FROM handoff_consumer.crm_operation
-             WHERE operation_key = ANY($1::text[])"#;
+             WHERE account = $2 AND operation_key = ANY($1::text[])"#;
         if requests.is_empty() {
             return Ok(Vec::new());
         }
@@ -56,6 +56,7 @@ impl Crm for LedgerCrm {
         let existing: std::collections::HashMap<String, String> = if accepted.len() < requests.len() {
             sqlx::query_as::<_, (String, String)>(EXISTING)
                 .bind(&keys)
+                .bind(&self.account)
                 .fetch_all(&mut *conn)
                 .await?
                 .into_iter()
@@ -152,13 +153,13 @@ pub async fn claim_due(
                    next_attempt_at = now() + make_interval(secs => $3),
                    updated_at = now()
               FROM due
-             WHERE o.operation_key = due.operation_key
+             WHERE o.account = $4 AND o.operation_key = due.operation_key
          RETURNING o.operation_key, o.account, o.payload_hash, o.payload, due.prior_state, due.prior_owner,
                    o.attempts, o.first_attempt_at, o.last_attempt_at, o.key_sent_at, o.unknown_since,
                    now() AS db_now, o.traceparent
         ), abandoned AS (
-            INSERT INTO handoff_consumer.crm_event (operation_key, kind, replica, attempt, evidence, state_after)
-            SELECT operation_key, 'attempt', prior_owner, attempts,
+            INSERT INTO handoff_consumer.crm_event (account, operation_key, kind, replica, attempt, evidence, state_after)
+            SELECT account, operation_key, 'attempt', prior_owner, attempts,
                    'abandoned: the lease of ' || COALESCE(prior_owner, 'a replica') || ' expired before it recorded attempt '
                        || attempts || '; the request may have reached the CRM',
                    'unknown'
@@ -183,12 +184,13 @@ pub struct Event<'a> {
 /// [`record_many`]). Returns false when the lease was lost.
 pub async fn record(
     pool: &PgPool,
+    account: &str,
     owner: &str,
     operation_key: &str,
     decision: &Decision,
     events: &[Event<'_>],
 ) -> Result<bool, sqlx::Error> {
-    let applied = record_many(pool, &[Recorded { owner, operation_key, decision, events }]).await?;
+    let applied = record_many(pool, account, &[Recorded { owner, operation_key, decision, events }]).await?;
     Ok(applied.first().copied().unwrap_or(false))
 }
 
@@ -202,7 +204,7 @@ pub struct Recorded<'a> {
     pub events: &'a [Event<'a>],
 }
 
-/// Records many decisions and their evidence in one statement (one round trip, one commit): each
+/// Records many decisions of `account`'s rows and their evidence in one statement (one round trip, one commit): each
 /// decision applies only if its lease token still holds the row. A row whose lease was lost keeps
 /// its state, but its events are still appended (state_after `lease_lost`), so the evidence of
 /// what this replica saw, a CRM receipt included, is never lost. Returns, per item in order,
@@ -210,7 +212,7 @@ pub struct Recorded<'a> {
 ///
 /// Events keep their order: they are inserted in array order, so ids (the event log's order per
 /// key) follow the order the dispatcher produced them in.
-pub async fn record_many(pool: &PgPool, items: &[Recorded<'_>]) -> Result<Vec<bool>, sqlx::Error> {
+pub async fn record_many(pool: &PgPool, account: &str, items: &[Recorded<'_>]) -> Result<Vec<bool>, sqlx::Error> {
     const RECORD_DECISIONS: &str = r#"
         WITH decision AS (
             SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::float8[], $5::text[], $6::text[], $7::text[])
@@ -229,11 +231,11 @@ pub async fn record_many(pool: &PgPool, items: &[Recorded<'_>]) -> Result<Vec<bo
                                       ELSE o.key_sent_at END,
                    lease_owner = NULL, lease_until = NULL, updated_at = now()
               FROM decision AS d
-             WHERE o.operation_key = d.operation_key AND o.lease_owner = d.owner
+             WHERE o.account = $13 AND o.operation_key = d.operation_key AND o.lease_owner = d.owner
          RETURNING o.operation_key, o.state
         ), events AS (
-            INSERT INTO handoff_consumer.crm_event (operation_key, kind, replica, attempt, evidence, state_after)
-            SELECT e.operation_key, e.kind, e.replica, e.attempt, e.evidence, COALESCE(a.state, 'lease_lost')
+            INSERT INTO handoff_consumer.crm_event (account, operation_key, kind, replica, attempt, evidence, state_after)
+            SELECT $13, e.operation_key, e.kind, e.replica, e.attempt, e.evidence, COALESCE(a.state, 'lease_lost')
               FROM UNNEST($8::text[], $9::text[], $10::text[], $11::int4[], $12::text[])
                    WITH ORDINALITY AS e(operation_key, kind, replica, attempt, evidence, n)
               LEFT JOIN applied AS a USING (operation_key)
@@ -270,23 +272,25 @@ pub async fn record_many(pool: &PgPool, items: &[Recorded<'_>]) -> Result<Vec<bo
         .bind(replicas)
         .bind(attempts)
         .bind(evidence)
+        .bind(account)
         .fetch_all(pool)
         .await?;
     let applied: std::collections::HashSet<&str> = applied.iter().map(String::as_str).collect();
     Ok(items.iter().map(|i| applied.contains(i.operation_key)).collect())
 }
 
-/// Appends one event.
+/// Appends one event to `account`'s row of `operation_key`.
 pub async fn insert_event(
     conn: &mut PgConnection,
+    account: &str,
     operation_key: &str,
     event: &Event<'_>,
     replica: Option<&str>,
     state_after: &str,
 ) -> Result<(), sqlx::Error> {
     sqlx::query(
-        "INSERT INTO handoff_consumer.crm_event (operation_key, kind, replica, attempt, evidence, state_after)
-         VALUES ($1, $2, $3, $4, $5, $6)",
+        "INSERT INTO handoff_consumer.crm_event (account, operation_key, kind, replica, attempt, evidence, state_after)
+         VALUES ($7, $1, $2, $3, $4, $5, $6)",
     )
     .bind(operation_key)
     .bind(event.kind)
@@ -294,6 +298,7 @@ pub async fn insert_event(
     .bind(event.attempt)
     .bind(event.evidence)
     .bind(state_after)
+    .bind(account)
     .execute(&mut *conn)
     .await?;
     Ok(())
@@ -312,6 +317,8 @@ pub async fn count_by_state(pool: &PgPool) -> Result<std::collections::BTreeMap<
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow)]
 pub struct ReviewRow {
     pub operation_key: String,
+    /// The destination account the row belongs to (the ledger is unique per account and key).
+    pub account: String,
     pub state: LedgerState,
     pub attempts: i32,
     /// The CRM's task id, or the receipt an operator recorded.
@@ -345,7 +352,7 @@ pub struct AuditRow {
 /// Ledger rows in these states, oldest first.
 pub async fn list(pool: &PgPool, states: &[LedgerState]) -> Result<Vec<ReviewRow>, sqlx::Error> {
     sqlx::query_as(
-        r#"SELECT operation_key, state, attempts, crm_task_id AS receipt_ref, note, created_at, updated_at
+        r#"SELECT operation_key, account, state, attempts, crm_task_id AS receipt_ref, note, created_at, updated_at
              FROM handoff_consumer.crm_operation
             WHERE state = ANY($1::text[])
             ORDER BY created_at, operation_key"#,
@@ -355,14 +362,14 @@ pub async fn list(pool: &PgPool, states: &[LedgerState]) -> Result<Vec<ReviewRow
     .await
 }
 
-/// One key's ledger row.
-pub async fn operation(pool: &PgPool, key: &str) -> Result<Option<ReviewRow>, sqlx::Error> {
+/// A key's ledger rows: one per destination account that received it (normally one).
+pub async fn operations(pool: &PgPool, key: &str) -> Result<Vec<ReviewRow>, sqlx::Error> {
     sqlx::query_as(
-        r#"SELECT operation_key, state, attempts, crm_task_id AS receipt_ref, note, created_at, updated_at
-             FROM handoff_consumer.crm_operation WHERE operation_key = $1"#,
+        r#"SELECT operation_key, account, state, attempts, crm_task_id AS receipt_ref, note, created_at, updated_at
+             FROM handoff_consumer.crm_operation WHERE operation_key = $1 ORDER BY account"#,
     )
     .bind(key)
-    .fetch_optional(pool)
+    .fetch_all(pool)
     .await
 }
 
@@ -387,18 +394,18 @@ pub async fn audit_trail(pool: &PgPool, key: &str) -> Result<Vec<AuditRow>, sqlx
     .await
 }
 
-/// Locks a key's row for an operator's resolution: its state, and whether a replica's lease
-/// still holds it. `None` when the key has no ledger row.
+/// Locks a key's rows for an operator's resolution: per account, its state and whether a
+/// replica's lease still holds it. Empty when the key has no ledger row.
 pub async fn lock_for_resolution(
     conn: &mut PgConnection,
     key: &str,
-) -> Result<Option<(LedgerState, bool)>, sqlx::Error> {
+) -> Result<Vec<(String, LedgerState, bool)>, sqlx::Error> {
     sqlx::query_as(
-        r#"SELECT state, (lease_owner IS NOT NULL AND lease_until > now()) AS leased
-             FROM handoff_consumer.crm_operation WHERE operation_key = $1 FOR UPDATE"#,
+        r#"SELECT account, state, (lease_owner IS NOT NULL AND lease_until > now()) AS leased
+             FROM handoff_consumer.crm_operation WHERE operation_key = $1 ORDER BY account FOR UPDATE"#,
     )
     .bind(key)
-    .fetch_optional(&mut *conn)
+    .fetch_all(&mut *conn)
     .await
 }
 
@@ -407,6 +414,7 @@ pub async fn lock_for_resolution(
 /// episode: no key record dates from it yet.
 pub async fn apply_resolution(
     conn: &mut PgConnection,
+    account: &str,
     key: &str,
     new_state: LedgerState,
     receipt: Option<&str>,
@@ -419,12 +427,13 @@ pub async fn apply_resolution(
                   proof = CASE WHEN $3 IS NULL THEN proof ELSE 'operator_receipt' END,
                   key_sent_at = CASE WHEN $2 = 'proved_not_executed' THEN NULL ELSE key_sent_at END,
                   note = $4, updated_at = now()
-            WHERE operation_key = $1"#,
+            WHERE account = $5 AND operation_key = $1"#,
     )
     .bind(key)
     .bind(new_state.as_str())
     .bind(receipt)
     .bind(note)
+    .bind(account)
     .execute(&mut *conn)
     .await?;
     Ok(())

@@ -184,3 +184,59 @@ async fn the_services_run_as_least_privileged_roles_and_the_application_can_only
     let error = sqlx::query("DELETE FROM handoff_consumer.inbox").execute(&replica).await.unwrap_err();
     assert_eq!(sqlstate(&error).as_deref(), Some("42501"), "{error}");
 }
+
+/// The ledger migrations of this release on a ledger with rows in flight: the event log gets each
+/// row's account, the key becomes (account, key), and rows sent before the upgrade are judged
+/// from their first attempt (`key_sent_at`).
+#[tokio::test]
+async fn the_ledger_upgrade_keeps_rows_and_evidence_and_backfills_their_account() {
+    let env = TestEnv::start().await.unwrap();
+    let url = env.postgres.fresh_database("ledger_upgrade").await.unwrap();
+    let pool = PgPool::connect(&url).await.unwrap();
+    let schema = &*handoff_consumer::SCHEMA;
+    schema.migrator().run_to(20261202000002, &pool).await.unwrap();
+    sqlx::query(
+        "INSERT INTO handoff_consumer.crm_operation
+            (operation_key, account, payload_hash, payload, state, attempts, first_attempt_at, last_attempt_at)
+         VALUES ('harbor:create-followup:v1:case-1', 'acct-a', repeat('a', 64), '{}', 'unknown', 1,
+                 now() - interval '1 hour', now() - interval '5 minutes')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO handoff_consumer.crm_event (operation_key, kind, attempt, evidence, state_after)
+         VALUES ('harbor:create-followup:v1:case-1', 'attempt', 1, 'POST /v1/tasks -> timed out', 'unknown')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+
+    let out = migrate("handoff-consumer", &url).await.expect_code(0).unwrap();
+    assert!(out.stdout.contains(&schema.latest().to_string()), "{}", out.stdout);
+    let (account, key_age_s): (String, f64) = sqlx::query_as(
+        "SELECT e.account, extract(epoch FROM now() - o.key_sent_at)::float8
+           FROM handoff_consumer.crm_event e JOIN handoff_consumer.crm_operation o USING (account, operation_key)",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(account, "acct-a");
+    assert!(key_age_s >= 3600.0, "retention counts from the first attempt: {key_age_s}");
+    // The same key in another account is a row of its own now.
+    sqlx::query(
+        "INSERT INTO handoff_consumer.crm_operation (operation_key, account, payload_hash, payload)
+         VALUES ('harbor:create-followup:v1:case-1', 'acct-b', repeat('a', 64), '{}')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let error = sqlx::query(
+        "INSERT INTO handoff_consumer.crm_operation (operation_key, account, payload_hash, payload)
+         VALUES ('harbor:create-followup:v1:case-1', 'acct-b', repeat('a', 64), '{}')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap_err();
+    assert_eq!(sqlstate(&error).as_deref(), Some("23505"), "unique per (account, key)");
+}

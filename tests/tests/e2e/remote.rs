@@ -720,3 +720,71 @@ async fn the_producers_trace_context_travels_through_the_stream_to_the_crm() {
             .unwrap();
     assert_eq!(stored.as_deref(), Some(TRACE));
 }
+
+/// Seed 004: the ledger is unique per (destination account, operation key). The same key recorded
+/// for two accounts is two rows; each account's dispatcher works only its own, so a lookup in one
+/// account never settles or "proves absent" the other; an operator asking about the key is told
+/// it lives in both.
+#[tokio::test]
+async fn the_ledger_is_unique_per_account_and_key_and_each_account_is_proven_on_its_own() {
+    use handoff_consumer::Crm;
+    use handoff_consumer::crm::{TaskOutcome, TaskRequest};
+    use handoff_consumer::remote::ledger::LedgerCrm;
+
+    let (env, sim) = setup(SimConfig::default()).await;
+    let request = TaskRequest {
+        operation_key: KEY.into(),
+        payload_hash: "a".repeat(64),
+        payload: serde_json::json!({"title": SEED_TITLE}),
+        approved_by: "ana".into(),
+        traceparent: None,
+    };
+    for account in [handoff_tests::remote::ACCOUNT, "harbor-crm-eu"] {
+        let mut tx = env.consumer_db.begin().await.unwrap();
+        let first =
+            LedgerCrm { account: account.into() }.create_tasks(&mut tx, std::slice::from_ref(&request)).await.unwrap();
+        let again =
+            LedgerCrm { account: account.into() }.create_tasks(&mut tx, std::slice::from_ref(&request)).await.unwrap();
+        tx.commit().await.unwrap();
+        assert_eq!(first, [TaskOutcome::Accepted], "{account}");
+        assert!(matches!(again[..], [TaskOutcome::Existing { .. }]), "once per account: {again:?}");
+    }
+    let rows: Vec<(String, LedgerState)> = sqlx::query_as(
+        "SELECT account, state FROM handoff_consumer.crm_operation WHERE operation_key = $1 ORDER BY account",
+    )
+    .bind(KEY)
+    .fetch_all(&env.consumer_db)
+    .await
+    .unwrap();
+    assert_eq!(rows.len(), 2, "{rows:?}");
+
+    // The simulator plays the first account only: its dispatcher settles its own row and leaves
+    // the other account's untouched.
+    let dispatcher = dispatcher(&env, &sim, Capability::ExternalId).await;
+    assert_eq!(calls(&dispatcher.dispatch_due().await.unwrap()), [("create", LedgerState::Settled)]);
+    assert!(dispatcher.dispatch_due().await.unwrap().is_empty());
+    let rows: Vec<(String, LedgerState)> = sqlx::query_as(
+        "SELECT account, state FROM handoff_consumer.crm_operation WHERE operation_key = $1 ORDER BY account",
+    )
+    .bind(KEY)
+    .fetch_all(&env.consumer_db)
+    .await
+    .unwrap();
+    assert_eq!(
+        rows,
+        [
+            (handoff_tests::remote::ACCOUNT.to_owned(), LedgerState::Settled),
+            ("harbor-crm-eu".to_owned(), LedgerState::Received)
+        ]
+    );
+    let events: Vec<String> =
+        sqlx::query_scalar("SELECT DISTINCT account FROM handoff_consumer.crm_event WHERE operation_key = $1")
+            .bind(KEY)
+            .fetch_all(&env.consumer_db)
+            .await
+            .unwrap();
+    assert_eq!(events, [handoff_tests::remote::ACCOUNT], "evidence belongs to the account it was made in");
+    let error = review::history(&env.consumer_db, KEY).await.unwrap_err().to_string();
+    assert!(error.contains("several accounts") && error.contains("harbor-crm-eu"), "{error}");
+    assert_eq!(sim.effects().await.unwrap(), 1);
+}
