@@ -435,13 +435,20 @@ pub async fn round_trip(world: &mut World, samples: usize) -> Result<Vec<f64>> {
 
 /// `concurrency` callers create `items` tasks in the CRM simulator at `addr`, each waiting for its
 /// reply before the next request (the remote consumer's shape without ledger or broker).
-pub async fn crm_calls(world: &World, addr: std::net::SocketAddr, concurrency: usize, items: i64) -> Result<Sample> {
+pub async fn crm_calls(
+    world: &World,
+    addr: std::net::SocketAddr,
+    adapter: handoff_consumer::remote::Adapter,
+    concurrency: usize,
+    items: i64,
+) -> Result<Sample> {
+    use handoff_consumer::remote::Adapter;
     let client = reqwest::Client::builder().pool_max_idle_per_host(concurrency).build()?;
-    let url = format!("http://{addr}/v1/tasks");
+    let base = format!("http://{addr}");
     let next = Arc::new(AtomicU64::new(1));
     let meter = Meter::start(world, &[]);
     let callers = (0..concurrency).map(|_| {
-        let (client, url, next) = (client.clone(), url.clone(), next.clone());
+        let (client, base, next) = (client.clone(), base.clone(), next.clone());
         async move {
             loop {
                 let i = next.fetch_add(1, Ordering::Relaxed) as i64;
@@ -450,16 +457,31 @@ pub async fn crm_calls(world: &World, addr: std::net::SocketAddr, concurrency: u
                 }
                 let payload = workload::payload(i);
                 let hash = handoff_shared::CanonicalPayload::new(payload.clone())?.hash().to_string();
-                let response = client
-                    .post(&url)
-                    .bearer_auth("sim-token")
-                    .json(&serde_json::json!({
-                        "external_id": workload::key("bare", i),
+                let key = workload::key("bare", i);
+                // The create each adapter makes, with the default mapping (the payload's fields).
+                let request = match adapter {
+                    Adapter::TasksApi => client.post(format!("{base}/v1/tasks")).json(&serde_json::json!({
+                        "external_id": key,
                         "payload_hash": hash,
                         "data": payload,
-                    }))
-                    .send()
-                    .await?;
+                    })),
+                    Adapter::Upsert => {
+                        let mut fields = payload.as_object().cloned().unwrap_or_default();
+                        fields.insert("Handoff_Payload_Hash__c".into(), hash.into());
+                        client
+                            .patch(format!("{base}/services/data/v60.0/sobjects/Task/Handoff_Key__c/{key}"))
+                            .json(&fields)
+                    }
+                    Adapter::UniqueProperty => {
+                        let mut properties = payload.as_object().cloned().unwrap_or_default();
+                        properties.insert("handoff_key".into(), key.clone().into());
+                        properties.insert("handoff_hash".into(), hash.into());
+                        client
+                            .post(format!("{base}/crm/v3/objects/tasks"))
+                            .json(&serde_json::json!({ "properties": properties }))
+                    }
+                };
+                let response = request.bearer_auth("sim-token").send().await?;
                 ensure!(response.status().is_success(), "the simulator answered {}", response.status());
             }
         }

@@ -476,6 +476,7 @@ pub struct RemoteChecks {
 pub async fn remote_drain(
     world: &mut World,
     source: &FilledStream,
+    adapter: handoff_consumer::remote::Adapter,
     replicas: usize,
     in_flight: i64,
     latency: Duration,
@@ -495,6 +496,7 @@ pub async fn remote_drain(
             ("HANDOFF_CRM_URL", format!("http://{listen}")),
             ("HANDOFF_CRM_TOKEN", "sim-token".to_owned()),
             ("HANDOFF_CRM_IN_FLIGHT", in_flight.to_string()),
+            ("HANDOFF_CRM_ADAPTER", crate::adapter_name(adapter).to_owned()),
         ]
         .map(|(k, v)| (k.to_owned(), v)),
     );

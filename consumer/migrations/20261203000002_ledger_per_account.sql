@@ -13,9 +13,8 @@ ALTER TABLE handoff_consumer.crm_event ALTER COLUMN account SET NOT NULL;
 
 ALTER TABLE handoff_consumer.crm_event DROP CONSTRAINT crm_event_operation_key_fkey;
 ALTER TABLE handoff_consumer.crm_operation DROP CONSTRAINT crm_operation_pkey;
-ALTER TABLE handoff_consumer.crm_operation ADD CONSTRAINT crm_operation_pkey PRIMARY KEY (account, operation_key);
+-- Key first: operators and the inbox look a key up without its account, on this index's prefix
+-- (no second index for every ledger update to maintain).
+ALTER TABLE handoff_consumer.crm_operation ADD CONSTRAINT crm_operation_pkey PRIMARY KEY (operation_key, account);
 ALTER TABLE handoff_consumer.crm_event ADD CONSTRAINT crm_event_operation_fkey
-    FOREIGN KEY (account, operation_key) REFERENCES handoff_consumer.crm_operation (account, operation_key);
-
--- Operators and the inbox look a key up without its account.
-CREATE INDEX crm_operation_by_key ON handoff_consumer.crm_operation (operation_key);
+    FOREIGN KEY (operation_key, account) REFERENCES handoff_consumer.crm_operation (operation_key, account);

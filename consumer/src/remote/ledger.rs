@@ -33,7 +33,7 @@ impl Crm for LedgerCrm {
         const ACCEPT: &str = r#"
             INSERT INTO handoff_consumer.crm_operation (operation_key, account, payload_hash, payload, traceparent)
             SELECT k, $1, h, p, t FROM UNNEST($2::text[], $3::text[], $4::jsonb[], $5::text[]) AS u(k, h, p, t)
-            ON CONFLICT (account, operation_key) DO NOTHING
+            ON CONFLICT (operation_key, account) DO NOTHING
             RETURNING operation_key"#;
         const EXISTING: &str = r#"
             SELECT operation_key, payload_hash FROM handoff_consumer.crm_operation
