@@ -220,12 +220,13 @@ fn timeline(
                     Some(e.at),
                     "ledger",
                     format!(
-                        "{}{}{}: {} -> {}",
+                        "{}{}{}: {} -> {}{}",
                         e.kind,
                         e.attempt.map(|a| format!(" #{a}")).unwrap_or_default(),
                         e.replica.as_deref().map(|r| format!(" by {r}")).unwrap_or_default(),
                         e.evidence,
-                        e.state_after
+                        e.state_after,
+                        e.decision.as_deref().map(|d| format!(" ({d})")).unwrap_or_default()
                     ),
                 );
             }

@@ -171,7 +171,7 @@ async fn resolve(
         &mut tx,
         &account,
         key,
-        &Event { kind: "operator", attempt: None, evidence: &note },
+        &Event { kind: "operator", attempt: None, evidence: &note, decision: None },
         None,
         new_state.as_str(),
     )

@@ -202,7 +202,11 @@ impl Dispatcher {
                 Vec::new(),
             ),
         };
-        events.push(("decision", None, decision.note.clone()));
+        // One evidence row per call, carrying the decision; a decision made without a call is a
+        // row of its own.
+        if events.is_empty() {
+            events.push(("decision", None, decision.note.clone()));
+        }
         if call != "none" {
             self.metrics.crm_call_duration.get_or_create(&CallLabel { call }).observe(started.elapsed().as_secs_f64());
         }
@@ -228,7 +232,18 @@ impl Dispatcher {
         let events: Vec<Vec<Event<'_>>> = outcomes
             .iter()
             .map(|o| {
-                o.events.iter().map(|(kind, attempt, evidence)| Event { kind, attempt: *attempt, evidence }).collect()
+                let last = o.events.len().saturating_sub(1);
+                o.events
+                    .iter()
+                    .enumerate()
+                    .map(|(i, (kind, attempt, evidence))| Event {
+                        kind,
+                        attempt: *attempt,
+                        evidence,
+                        // The call's row carries the decision (a lone decision row is its own note).
+                        decision: (i == last && *kind != "decision").then_some(o.decision.note.as_str()),
+                    })
+                    .collect()
             })
             .collect();
         let items: Vec<Recorded<'_>> = outcomes

@@ -178,6 +178,8 @@ pub struct Event<'a> {
     pub kind: &'static str,
     pub attempt: Option<i32>,
     pub evidence: &'a str,
+    /// The decision this call led to (its note), on the call's own row.
+    pub decision: Option<&'a str>,
 }
 
 /// Records a decision and its evidence, only if `owner` still holds the lease (see
@@ -234,10 +236,12 @@ pub async fn record_many(pool: &PgPool, account: &str, items: &[Recorded<'_>]) -
              WHERE o.account = $13 AND o.operation_key = d.operation_key AND o.lease_owner = d.owner
          RETURNING o.operation_key, o.state
         ), events AS (
-            INSERT INTO handoff_consumer.crm_event (account, operation_key, kind, replica, attempt, evidence, state_after)
-            SELECT $13, e.operation_key, e.kind, e.replica, e.attempt, e.evidence, COALESCE(a.state, 'lease_lost')
-              FROM UNNEST($8::text[], $9::text[], $10::text[], $11::int4[], $12::text[])
-                   WITH ORDINALITY AS e(operation_key, kind, replica, attempt, evidence, n)
+            INSERT INTO handoff_consumer.crm_event
+                   (account, operation_key, kind, replica, attempt, evidence, decision, state_after)
+            SELECT $13, e.operation_key, e.kind, e.replica, e.attempt, e.evidence, e.decision,
+                   COALESCE(a.state, 'lease_lost')
+              FROM UNNEST($8::text[], $9::text[], $10::text[], $11::int4[], $12::text[], $14::text[])
+                   WITH ORDINALITY AS e(operation_key, kind, replica, attempt, evidence, decision, n)
               LEFT JOIN applied AS a USING (operation_key)
              ORDER BY e.n
         )
@@ -250,6 +254,7 @@ pub async fn record_many(pool: &PgPool, account: &str, items: &[Recorded<'_>]) -
     let mut replicas = Vec::new();
     let mut attempts = Vec::new();
     let mut evidence = Vec::new();
+    let mut decisions = Vec::new();
     for item in items {
         for event in item.events {
             event_keys.push(item.operation_key);
@@ -257,6 +262,7 @@ pub async fn record_many(pool: &PgPool, account: &str, items: &[Recorded<'_>]) -
             replicas.push(item.owner);
             attempts.push(event.attempt);
             evidence.push(event.evidence);
+            decisions.push(event.decision);
         }
     }
     let applied: Vec<String> = sqlx::query_scalar(RECORD_DECISIONS)
@@ -273,6 +279,7 @@ pub async fn record_many(pool: &PgPool, account: &str, items: &[Recorded<'_>]) -
         .bind(attempts)
         .bind(evidence)
         .bind(account)
+        .bind(decisions)
         .fetch_all(pool)
         .await?;
     let applied: std::collections::HashSet<&str> = applied.iter().map(String::as_str).collect();
@@ -289,8 +296,8 @@ pub async fn insert_event(
     state_after: &str,
 ) -> Result<(), sqlx::Error> {
     sqlx::query(
-        "INSERT INTO handoff_consumer.crm_event (account, operation_key, kind, replica, attempt, evidence, state_after)
-         VALUES ($7, $1, $2, $3, $4, $5, $6)",
+        "INSERT INTO handoff_consumer.crm_event (account, operation_key, kind, replica, attempt, evidence, state_after, decision)
+         VALUES ($7, $1, $2, $3, $4, $5, $6, $8)",
     )
     .bind(operation_key)
     .bind(event.kind)
@@ -299,6 +306,7 @@ pub async fn insert_event(
     .bind(event.evidence)
     .bind(state_after)
     .bind(account)
+    .bind(event.decision)
     .execute(&mut *conn)
     .await?;
     Ok(())
@@ -335,6 +343,9 @@ pub struct EventRow {
     pub replica: Option<String>,
     pub attempt: Option<i32>,
     pub evidence: String,
+    /// The decision the call led to (rows from before 20261203000003 have it in a row of kind
+    /// `decision` instead).
+    pub decision: Option<String>,
     pub state_after: String,
     pub at: DateTime<Utc>,
 }
@@ -376,7 +387,7 @@ pub async fn operations(pool: &PgPool, key: &str) -> Result<Vec<ReviewRow>, sqlx
 /// One key's evidence, in the order it was recorded.
 pub async fn events(pool: &PgPool, key: &str) -> Result<Vec<EventRow>, sqlx::Error> {
     sqlx::query_as(
-        r#"SELECT kind, replica, attempt, evidence, state_after, at
+        r#"SELECT kind, replica, attempt, evidence, decision, state_after, at
              FROM handoff_consumer.crm_event WHERE operation_key = $1 ORDER BY id"#,
     )
     .bind(key)
