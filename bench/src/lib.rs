@@ -789,6 +789,15 @@ async fn remote_rows(world: &mut World, args: &BenchArgs, report: &mut Report) -
                     checks.iter().map(|c| c.effects - c.distinct_external_ids).max().unwrap_or_default(),
                 );
                 row.check("review", checks.iter().map(|c| c.review).max().unwrap_or_default());
+                // Little's law: calls in flight on average = rate x the latency the CRM had in the
+                // run. Slots busy near 1 means the dispatcher kept every call slot full, and what
+                // bounds the rate is how fast the CRM answered under the run's load (on one machine,
+                // the simulator shares the cores with the consumer, its Postgres and NATS).
+                let mut means: Vec<f64> = checks.iter().map(system::RemoteChecks::mean_create_ms).collect();
+                means.sort_by(f64::total_cmp);
+                let mean_create_ms = means.get(means.len() / 2).copied().unwrap_or_default();
+                row.check("mean_create_ms_in_run", mean_create_ms);
+                row.check("slots_busy", row.value.median * mean_create_ms / 1e3 / callers as f64);
                 row.check(
                     "rows_with_retried_create",
                     checks.iter().map(|c| c.attempts_over_one).max().unwrap_or_default(),

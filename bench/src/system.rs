@@ -23,6 +23,8 @@ use crate::world::{Database, Service, World, wait_for_listeners};
 
 /// How often progress is polled (NATS stream/consumer info: no database load).
 const POLL: Duration = Duration::from_millis(10);
+/// How often the remote drain asks the consumer's database whether every ledger row is settled.
+const SETTLED_POLL: Duration = Duration::from_millis(50);
 /// Longest a single drain may take before the run is declared stuck.
 const STUCK: Duration = Duration::from_secs(600);
 
@@ -466,6 +468,41 @@ pub struct RemoteChecks {
     pub review: i64,
     /// Ledger rows that needed more than one create attempt (the CRM refused or timed out).
     pub attempts_over_one: i64,
+    /// Creates the replicas timed (their `handoff_crm_call_duration_seconds{call="create"}`) and
+    /// the seconds those calls took together: the CRM's latency in this run, under its load.
+    pub create_calls: f64,
+    pub create_seconds: f64,
+}
+
+impl RemoteChecks {
+    /// The mean create latency the replicas saw in this run, ms.
+    pub fn mean_create_ms(&self) -> f64 {
+        self.create_seconds * 1e3 / self.create_calls.max(1.0)
+    }
+}
+
+/// Prints the top statements on the server of `pool` since the last reset, per message
+/// ([`crate::world::PG_STATEMENTS_ENV`]).
+async fn print_statement_profile(pool: &sqlx::PgPool, messages: u64) -> Result<()> {
+    let rows: Vec<(String, i64, i64, f64, f64, i64)> = sqlx::query_as(
+        "SELECT left(regexp_replace(query, '\\s+', ' ', 'g'), 90), calls, rows, total_exec_time, total_plan_time,
+                wal_bytes::int8
+           FROM pg_stat_statements ORDER BY total_exec_time + total_plan_time DESC LIMIT 10",
+    )
+    .fetch_all(pool)
+    .await?;
+    let n = messages.max(1) as f64;
+    eprintln!("   statements per message (exec µs, plan µs, WAL bytes, calls, rows per call):");
+    for (query, calls, rows, exec_ms, plan_ms, wal) in rows {
+        eprintln!(
+            "   {:>7.1} {:>7.1} {:>6.0} {calls:>7} {:>6.1}  {query}",
+            exec_ms * 1e3 / n,
+            plan_ms * 1e3 / n,
+            wal as f64 / n,
+            rows as f64 / calls.max(1) as f64
+        );
+    }
+    Ok(())
 }
 
 /// The remote-CRM consumer: `replicas` consumers with `--crm http` and `in_flight` CRM calls per
@@ -501,22 +538,46 @@ pub async fn remote_drain(
         .map(|(k, v)| (k.to_owned(), v)),
     );
     let mut services = vec![sim];
+    // Each replica's endpoint is read once, after the drain: its call-duration histogram says how
+    // long the CRM took to answer in this run, so the row shows how busy the slots were.
+    let mut endpoints = Vec::new();
     for _ in 0..replicas {
+        let addr = handoff_tests::ops::free_local_addr()?;
+        let mut env = env.clone();
+        env.push(("HANDOFF_HTTP_ADDR".into(), addr.to_string()));
+        endpoints.push(addr);
         services.push(Service::spawn("consumer", "handoff-consumer", &env)?);
     }
     let total = source.messages;
     // Intake acks after the ledger row commits, so once everything is acked every row exists; the
-    // open rows are then counted on the ledger's partial index of unsettled states.
+    // open rows are then looked for on the ledger's partial index of unsettled states.
+    // Asked at most every SETTLED_POLL: the check must not load the server it measures (on a
+    // ledger this young there are no statistics, so it reads the table from the start each time:
+    // 10 ms polls cost ~150 µs of the consumer's Postgres per message). The clock may overrun by
+    // up to one interval, under 1% of a drain.
+    let mut last_check: Option<Instant> = None;
     let all_settled = async || {
-        let open: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM handoff_consumer.crm_operation
-              WHERE state IN ('received', 'dispatching', 'unknown', 'proved_not_executed', 'replay')",
+        if last_check.is_some_and(|at| at.elapsed() < SETTLED_POLL) {
+            return Ok(false);
+        }
+        last_check = Some(Instant::now());
+        let done: bool = sqlx::query_scalar(
+            "SELECT NOT EXISTS (SELECT 1 FROM handoff_consumer.crm_operation
+              WHERE state IN ('received', 'dispatching', 'unknown', 'proved_not_executed', 'replay'))",
         )
         .fetch_one(&db.pool)
         .await?;
-        Ok(open == 0)
+        Ok(done)
     };
+    let profiled = crate::world::pg_statements_profiled();
+    if profiled {
+        sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_stat_statements").execute(&db.pool).await?;
+        sqlx::query("SELECT pg_stat_statements_reset()").execute(&db.pool).await?;
+    }
     let sample = drain_durable(world, &mut services, &durable, source, all_settled).await?;
+    if profiled {
+        print_statement_profile(&db.pool, source.messages).await?;
+    }
     let (settled, review, attempts_over_one): (i64, i64, i64) = sqlx::query_as(
         "SELECT count(*) FILTER (WHERE state = 'settled'), count(*) FILTER (WHERE state = 'review'),
                 count(*) FILTER (WHERE attempts > 1)
@@ -528,13 +589,29 @@ pub async fn remote_drain(
         sqlx::query_as("SELECT count(*), count(DISTINCT external_id) FROM crm_sim.tasks")
             .fetch_one(&crm_db.pool)
             .await?;
+    let (mut create_calls, mut create_seconds) = (0.0, 0.0);
+    for addr in endpoints {
+        let (status, body) = handoff_tests::ops::get(addr, "/metrics").await?;
+        ensure!(status == 200, "/metrics of replica {addr} answered {status}");
+        let series = |name: &str| handoff_tests::ops::series(&body, &format!("{name}{{call=\"create\"}}"));
+        create_calls += series("handoff_crm_call_duration_seconds_count").unwrap_or_default();
+        create_seconds += series("handoff_crm_call_duration_seconds_sum").unwrap_or_default();
+    }
     for s in services {
         s.stop().await?;
     }
     let _ = world.js.delete_consumer_from_stream(&durable, &source.name).await;
     world.drop_database(db).await?;
     world.drop_database(crm_db).await?;
-    let checks = RemoteChecks { effects, distinct_external_ids, settled, review, attempts_over_one };
+    let checks = RemoteChecks {
+        effects,
+        distinct_external_ids,
+        settled,
+        review,
+        attempts_over_one,
+        create_calls,
+        create_seconds,
+    };
     ensure!(
         checks.effects == total as i64 && checks.settled == total as i64,
         "{} CRM tasks and {} settled rows for {total} messages",

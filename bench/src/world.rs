@@ -27,6 +27,35 @@ pub const POSTGRES_ARGS: &[&str] = &[
     "max_connections=300",
 ];
 
+/// With `HANDOFF_BENCH_PG_STATEMENTS=1` the servers also load `pg_stat_statements` (planning
+/// tracked too), and the remote section prints each drain's top statements on the consumer's
+/// server per message: execution and planning time, WAL bytes and rows per call. A diagnostic:
+/// the extension costs a little on every statement, so the figures of such a run are not the
+/// headline ones.
+pub const PG_STATEMENTS_ENV: &str = "HANDOFF_BENCH_PG_STATEMENTS";
+const PG_STATEMENTS_ARGS: &[&str] = &[
+    "-c",
+    "shared_preload_libraries=pg_stat_statements",
+    "-c",
+    "pg_stat_statements.track=all",
+    "-c",
+    "pg_stat_statements.track_planning=on",
+];
+
+/// Whether this run profiles statements ([`PG_STATEMENTS_ENV`]).
+pub fn pg_statements_profiled() -> bool {
+    std::env::var(PG_STATEMENTS_ENV).is_ok_and(|v| v == "1")
+}
+
+/// [`POSTGRES_ARGS`], plus the statement profile when asked for.
+fn postgres_args() -> Vec<&'static str> {
+    let mut args = POSTGRES_ARGS.to_vec();
+    if pg_statements_profiled() {
+        args.extend(PG_STATEMENTS_ARGS);
+    }
+    args
+}
+
 /// The broker setting a profile runs with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Profile {
@@ -60,8 +89,9 @@ impl Servers {
     /// Starts the producer's server, and the consumer's unless `shared`.
     pub async fn start(shared: bool) -> Result<Self> {
         // Data on volumes: the host filesystem's speed and fsync, not the storage driver's.
-        let producer = Postgres::start_with(POSTGRES_ARGS, Storage::Volume).await?;
-        let consumer = if shared { None } else { Some(Postgres::start_with(POSTGRES_ARGS, Storage::Volume).await?) };
+        let args = postgres_args();
+        let producer = Postgres::start_with(&args, Storage::Volume).await?;
+        let consumer = if shared { None } else { Some(Postgres::start_with(&args, Storage::Volume).await?) };
         Ok(Self { producer, consumer })
     }
 

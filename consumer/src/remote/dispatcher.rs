@@ -14,7 +14,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::future::join_all;
+use futures::future::{BoxFuture, join_all};
 use futures::{FutureExt, StreamExt, stream::FuturesUnordered};
 use handoff_shared::Backoff;
 use sqlx::PgPool;
@@ -298,10 +298,13 @@ impl Dispatcher {
 
     /// Dispatches until `token` is cancelled; calls in flight finish and are recorded first.
     ///
-    /// A pipeline, not waves: up to `in_flight` calls are in flight at all times. When calls end,
-    /// those that have ended are recorded together (one statement) and their room is claimed
-    /// again at once, so one slow call never holds up the others and the database sees a few
-    /// statements per batch of calls rather than a transaction per call.
+    /// A pipeline, not waves: up to `in_flight` CRM calls are under way at all times, and the
+    /// two statements around them run beside the calls rather than between them. A call's room
+    /// is claimed again as soon as the call ends, while its decision is still being recorded: a
+    /// row being recorded keeps its lease, so the claim cannot take it. Decisions are recorded by
+    /// group commit: one record statement at a time, and the calls that end while it commits go
+    /// into the next one, so the database sees a few statements per batch of calls rather than a
+    /// transaction per call, and a slow commit never holds a free slot idle.
     ///
     /// It claims when rows may be due: after a notification (new ledger rows), a poll tick
     /// (retries and readbacks fall due by time), a claim that filled all the room it asked for,
@@ -312,20 +315,43 @@ impl Dispatcher {
         let mut poll = tokio::time::interval(self.settings.poll_interval);
         poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let this = &self;
-        let start = |claim: String, op: ClaimedOperation| async move { this.call(&claim, op).await };
-        let mut calls = FuturesUnordered::new();
+        // Calls, the claim and the record statement in flight, whichever ends first.
+        let mut work: FuturesUnordered<BoxFuture<'_, Step>> = FuturesUnordered::new();
+        let mut calls: i64 = 0;
+        // Finished calls waiting for the record statement in flight to commit.
+        let mut ended: Vec<Outcome> = Vec::new();
+        let (mut recording, mut claiming) = (false, false);
         let mut maybe_due = true;
         let heartbeat = self.liveness.register("dispatcher", self.stall_after);
         tracing::info!(account = %self.crm.account(), in_flight = self.settings.in_flight, "dispatcher running");
         loop {
             heartbeat.beat();
-            let room = self.settings.in_flight - calls.len() as i64;
-            if maybe_due && room > 0 && !token.is_cancelled() {
-                let (claim, claimed) = self.claim(room).await;
-                maybe_due = claimed.len() as i64 == room;
-                calls.extend(claimed.into_iter().map(|op| start(claim.clone(), op)));
+            if !recording && !ended.is_empty() {
+                recording = true;
+                let batch = std::mem::take(&mut ended);
+                work.push(
+                    async move {
+                        let (recorded, started) = (batch.len(), std::time::Instant::now());
+                        let undecided = batch.iter().any(|o| !o.decision.state.is_decided());
+                        this.record(batch).await;
+                        tracing::debug!(recorded, record_us = started.elapsed().as_micros() as u64, "dispatch timings");
+                        Step::Recorded { undecided }
+                    }
+                    .boxed(),
+                );
             }
-            if calls.is_empty() {
+            let room = self.settings.in_flight - calls;
+            if maybe_due && !claiming && room > 0 && !token.is_cancelled() {
+                (claiming, maybe_due) = (true, false);
+                work.push(
+                    async move {
+                        let (claim, claimed) = this.claim(room).await;
+                        Step::Claimed { claim, claimed, room }
+                    }
+                    .boxed(),
+                );
+            }
+            if work.is_empty() {
                 tokio::select! {
                     // Stop requested while idle.
                     _ = token.cancelled() => break,
@@ -341,31 +367,34 @@ impl Dispatcher {
                 continue;
             }
             tokio::select! {
-                Some(first) = calls.next() => {
-                    // Everything else that has ended by now goes into the same statement.
-                    let mut ended = vec![first];
-                    while let Some(Some(more)) = calls.next().now_or_never() {
-                        ended.push(more);
+                Some(first) = work.next() => {
+                    // Everything else that has ended by now is handled in the same turn.
+                    let mut steps = vec![first];
+                    while let Some(Some(more)) = work.next().now_or_never() {
+                        steps.push(more);
                     }
-                    let undecided = ended.iter().any(|o| !o.decision.state.is_decided());
-                    // The freed room is claimed while the decisions are recorded: two statements
-                    // on two connections, whose commits the server flushes together. A row being
-                    // recorded is leased, so the claim cannot take it.
-                    let room = self.settings.in_flight - calls.len() as i64;
-                    let (recorded, started) = (ended.len(), std::time::Instant::now());
-                    let claimed = if maybe_due && room > 0 && !token.is_cancelled() {
-                        let (_, (claim, claimed)) = tokio::join!(self.record(ended), self.claim(room));
-                        maybe_due = claimed.len() as i64 == room;
-                        let count = claimed.len();
-                        calls.extend(claimed.into_iter().map(|op| start(claim.clone(), op)));
-                        count
-                    } else {
-                        self.record(ended).await;
-                        0
-                    };
-                    tracing::debug!(recorded, claimed, in_flight = calls.len(),
-                        record_and_claim_us = started.elapsed().as_micros() as u64, "dispatch timings");
-                    maybe_due |= undecided;
+                    for step in steps {
+                        match step {
+                            Step::Called(outcome) => {
+                                calls -= 1;
+                                ended.push(*outcome);
+                            }
+                            Step::Recorded { undecided } => {
+                                recording = false;
+                                // Rows left undecided are due again once their lease is released.
+                                maybe_due |= undecided;
+                            }
+                            Step::Claimed { claim, claimed, room } => {
+                                claiming = false;
+                                maybe_due |= claimed.len() as i64 == room;
+                                calls += claimed.len() as i64;
+                                for op in claimed {
+                                    let claim = claim.clone();
+                                    work.push(async move { Step::Called(Box::new(this.call(&claim, op).await)) }.boxed());
+                                }
+                            }
+                        }
+                    }
                 }
                 notification = listener.recv(), if !maybe_due => {
                     if let Err(error) = notification {
@@ -378,6 +407,16 @@ impl Dispatcher {
         }
         Ok(())
     }
+}
+
+/// What ended in the dispatcher's pipeline.
+enum Step {
+    /// A CRM call (or a rule's decision without one), not recorded yet.
+    Called(Box<Outcome>),
+    /// A record statement committed (or failed and was logged).
+    Recorded { undecided: bool },
+    /// A claim returned these rows under the lease token `claim`, for `room` slots.
+    Claimed { claim: String, claimed: Vec<ClaimedOperation>, room: i64 },
 }
 
 /// A finished call whose decision is not recorded yet.
