@@ -11,7 +11,6 @@
 //! inside a container. Containers are removed when the value is dropped.
 
 use std::{
-    collections::HashMap,
     hash::{BuildHasher, RandomState},
     net::{Ipv4Addr, TcpListener},
     sync::atomic::{AtomicU32, Ordering},
@@ -22,7 +21,7 @@ use anyhow::{Context, Result, bail};
 use sqlx::{AssertSqlSafe, Connection, PgConnection};
 use testcontainers::{
     ContainerAsync, GenericImage, ImageExt,
-    bollard::models::{HostConfig, Mount, MountType, PortBinding},
+    bollard::models::{HostConfig, Mount, MountType},
     core::{IntoContainerPort, WaitFor},
     runners::AsyncRunner,
 };
@@ -39,7 +38,7 @@ const NATS_PORT: u16 = 4222;
 /// PGDATA in the image `scripts/build-images` builds (and in the official one).
 const POSTGRES_DATA: &str = "/var/lib/postgresql/data";
 /// The JetStream store directory both argument sets below use.
-const NATS_DATA: &str = "/data";
+pub(crate) const NATS_DATA: &str = "/data";
 /// JetStream with the default `sync_interval` (2 minutes).
 pub const NATS_DEFAULT_ARGS: [&str; 3] = ["-js", "--store_dir", "/data"];
 /// JetStream with `sync_interval: always`, from the config file only our image carries.
@@ -99,38 +98,46 @@ impl Postgres {
         let image_ref = image_from_env("HANDOFF_POSTGRES_IMAGE", DEFAULT_POSTGRES_IMAGE);
         let (name, tag) = split_image(&image_ref);
         let started = Instant::now();
-        let mut image = GenericImage::new(name, tag)
-            .with_exposed_port(POSTGRES_PORT.tcp())
-            .with_wait_for(WaitFor::message_on_stderr("database system is ready to accept connections"))
-            .with_env_var("POSTGRES_HOST_AUTH_METHOD", "trust")
-            .with_startup_timeout(STARTUP_TIMEOUT)
-            .with_host_config_modifier(move |config| {
-                config.mounts = storage.mounts(POSTGRES_DATA);
-                // Instead of publish-all on 0.0.0.0: one ephemeral port on loopback.
-                config.publish_all_ports = Some(false);
-                config.port_bindings = Some(HashMap::from([(
-                    format!("{POSTGRES_PORT}/tcp"),
-                    Some(vec![PortBinding {
-                        host_ip: Some(Ipv4Addr::LOCALHOST.to_string()),
-                        host_port: Some(String::new()),
-                    }]),
-                )]));
-            });
-        if !args.is_empty() {
-            image = image.with_cmd(args.iter().copied());
-        }
-        let container =
-            image.start().await.with_context(|| format!("starting Postgres container from image {image_ref}"))?;
-        let port = container.get_host_port_ipv4(POSTGRES_PORT).await?;
+        // The host port is chosen here and bound explicitly, so that it stays the same when the
+        // container is killed and started again ([`Postgres::start_again`]).
+        let (container, port) = start_on_a_free_port("Postgres", &image_ref, |port| {
+            let mut image = GenericImage::new(name, tag)
+                .with_exposed_port(POSTGRES_PORT.tcp())
+                .with_wait_for(WaitFor::message_on_stderr("database system is ready to accept connections"))
+                .with_env_var("POSTGRES_HOST_AUTH_METHOD", "trust")
+                .with_mapped_port(port, POSTGRES_PORT.tcp())
+                .with_startup_timeout(STARTUP_TIMEOUT)
+                .with_host_config_modifier(move |config| {
+                    config.mounts = storage.mounts(POSTGRES_DATA);
+                    bind_to_loopback(config);
+                });
+            if !args.is_empty() {
+                image = image.with_cmd(args.iter().copied());
+            }
+            image.start()
+        })
+        .await?;
         let pg = Self { container, port };
         pg.wait_until_queryable().await?;
-        tracing::info!(
-            image = %image_ref,
-            port,
-            elapsed_ms = started.elapsed().as_millis() as u64,
-            "Postgres container ready"
-        );
+        tracing::info!(image = %image_ref, port, elapsed_ms = started.elapsed().as_millis() as u64, "Postgres container ready");
         Ok(pg)
+    }
+
+    /// Kills the server at once (SIGKILL to the container: no shutdown checkpoint; the data
+    /// directory is as the crash left it, and the next start recovers from the WAL).
+    pub async fn kill(&self) -> Result<()> {
+        kill_container(self.container.id()).await.context("killing the Postgres container")?;
+        tracing::info!(port = self.port, "Postgres container killed");
+        Ok(())
+    }
+
+    /// Starts the container again after [`Postgres::kill`] on the same host port, and waits until it
+    /// answers `SELECT 1` (crash recovery included).
+    pub async fn start_again(&self) -> Result<()> {
+        start_again_on_its_port("Postgres", &self.container, self.port, POSTGRES_PORT).await?;
+        self.wait_until_queryable().await?;
+        tracing::info!(port = self.port, "Postgres container started again");
+        Ok(())
     }
 
     async fn wait_until_queryable(&self) -> Result<()> {
@@ -246,20 +253,38 @@ impl Nats {
         storage: Storage,
         files: Option<(String, String)>,
     ) -> Result<Self> {
+        Self::start_placed(image_ref, args, storage, files, None).await
+    }
+
+    /// Starts a node of a cluster: `image_ref` with `args`, named `placement.container` on the
+    /// Docker network `placement.network` (created if it does not exist yet), where the other
+    /// nodes reach it by that name.
+    pub(crate) async fn start_on_network(image_ref: String, args: &[&str], placement: &Placement) -> Result<Self> {
+        Self::start_placed(image_ref, args, Storage::Layer, None, Some(placement)).await
+    }
+
+    async fn start_placed(
+        image_ref: String,
+        args: &[&str],
+        storage: Storage,
+        files: Option<(String, String)>,
+        placement: Option<&Placement>,
+    ) -> Result<Self> {
         let (name, tag) = split_image(&image_ref);
         let started = Instant::now();
         // The host port is chosen here and bound explicitly, so that it stays the same when
-        // the container is stopped and started again. Another process could take it between
-        // the probe and the bind: try a few ports.
-        let mut last_err = None;
-        for _ in 0..3 {
-            let port = free_port()?;
-            let result = GenericImage::new(name, tag)
+        // the container is stopped and started again.
+        let (container, port) = start_on_a_free_port("NATS", &image_ref, |port| {
+            let mut request = GenericImage::new(name, tag)
                 .with_exposed_port(NATS_PORT.tcp())
                 .with_wait_for(WaitFor::message_on_stderr("Server is ready"))
                 .with_cmd(args.iter().copied())
                 .with_mapped_port(port, NATS_PORT.tcp())
-                .with_startup_timeout(STARTUP_TIMEOUT)
+                .with_startup_timeout(STARTUP_TIMEOUT);
+            if let Some(placement) = placement {
+                request = request.with_network(&placement.network).with_container_name(&placement.container);
+            }
+            request
                 .with_host_config_modifier({
                     let files = files.clone();
                     move |config| {
@@ -278,27 +303,12 @@ impl Nats {
                     }
                 })
                 .start()
-                .await;
-            match result {
-                Ok(container) => {
-                    let nats = Self { container, port };
-                    nats.wait_until_ready().await?;
-                    tracing::info!(
-                        image = %image_ref,
-                        port,
-                        elapsed_ms = started.elapsed().as_millis() as u64,
-                        "NATS container ready"
-                    );
-                    return Ok(nats);
-                }
-                Err(err) => {
-                    tracing::warn!("starting NATS on host port {port} failed: {err}");
-                    last_err = Some(err);
-                }
-            }
-        }
-        Err(anyhow::Error::from(last_err.expect("at least one attempt"))
-            .context(format!("starting NATS container from image {image_ref}")))
+        })
+        .await?;
+        let nats = Self { container, port };
+        nats.wait_until_ready().await?;
+        tracing::info!(image = %image_ref, port, elapsed_ms = started.elapsed().as_millis() as u64, "NATS container ready");
+        Ok(nats)
     }
 
     /// `nats://127.0.0.1:<port>`; the same before and after [`Nats::restart`].
@@ -323,6 +333,14 @@ impl Nats {
         self.start_again().await
     }
 
+    /// Kills the server at once (SIGKILL: no shutdown, no last flush); [`Nats::start_again`]
+    /// brings it back with its JetStream store as the kill left it.
+    pub async fn kill(&self) -> Result<()> {
+        kill_container(self.container.id()).await.context("killing the NATS container")?;
+        tracing::info!(port = self.port, "NATS container killed");
+        Ok(())
+    }
+
     /// Stops the server (SIGTERM, then SIGKILL after 10 s); clients see the connection drop.
     pub async fn stop(&self) -> Result<()> {
         self.container.stop_with_timeout(Some(10)).await.context("stopping the NATS container")?;
@@ -332,13 +350,9 @@ impl Nats {
 
     /// Starts the container again after [`Nats::stop`] and waits until it accepts clients.
     pub async fn start_again(&self) -> Result<()> {
-        self.container.start().await.context("starting the NATS container again")?;
-        let port = self.container.get_host_port_ipv4(NATS_PORT).await?;
-        if port != self.port {
-            bail!("NATS came back on host port {port}, expected {}", self.port);
-        }
+        start_again_on_its_port("NATS", &self.container, self.port, NATS_PORT).await?;
         self.wait_until_ready().await?;
-        tracing::info!(port, "NATS container started again");
+        tracing::info!(port = self.port, "NATS container started again");
         Ok(())
     }
 
@@ -356,6 +370,63 @@ impl Nats {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
+}
+
+/// Starts a container whose host port is chosen here ([`free_port`]), so that it keeps that port
+/// across restarts. Another process could take the port between the probe and the bind: a few
+/// ports are tried.
+async fn start_on_a_free_port<F, Fut>(
+    what: &str,
+    image_ref: &str,
+    start: F,
+) -> Result<(ContainerAsync<GenericImage>, u16)>
+where
+    F: Fn(u16) -> Fut,
+    Fut: std::future::Future<Output = testcontainers::core::error::Result<ContainerAsync<GenericImage>>>,
+{
+    let mut last_err = None;
+    for _ in 0..3 {
+        let port = free_port()?;
+        match start(port).await {
+            Ok(container) => return Ok((container, port)),
+            Err(err) => {
+                tracing::warn!("starting {what} on host port {port} failed: {err}");
+                last_err = Some(err);
+            }
+        }
+    }
+    Err(anyhow::Error::from(last_err.expect("at least one attempt"))
+        .context(format!("starting {what} container from image {image_ref}")))
+}
+
+/// Starts a stopped or killed container again and checks it came back on `port`.
+async fn start_again_on_its_port(
+    what: &str,
+    container: &ContainerAsync<GenericImage>,
+    port: u16,
+    container_port: u16,
+) -> Result<()> {
+    container.start().await.with_context(|| format!("starting the {what} container again"))?;
+    let now = container.get_host_port_ipv4(container_port).await?;
+    if now != port {
+        bail!("{what} came back on host port {now}, expected {port}");
+    }
+    Ok(())
+}
+
+/// SIGKILL to a container's main process, through the Docker API testcontainers uses.
+async fn kill_container(id: &str) -> Result<()> {
+    use testcontainers::bollard::{Docker, query_parameters::KillContainerOptionsBuilder};
+    let docker = Docker::connect_with_defaults().context("connecting to Docker")?;
+    docker.kill_container(id, Some(KillContainerOptionsBuilder::default().signal("SIGKILL").build())).await?;
+    Ok(())
+}
+
+/// Where a cluster node runs: its Docker network and its container name on it.
+#[derive(Debug, Clone)]
+pub(crate) struct Placement {
+    pub network: String,
+    pub container: String,
 }
 
 /// True when a NATS server at `addr` sends its `INFO {...}` greeting. (docker-proxy accepts
@@ -396,7 +467,7 @@ fn free_port() -> Result<u16> {
     bail!("no free port found in {LOW}..{HIGH} on 127.0.0.1")
 }
 
-fn image_from_env(var: &str, default: &str) -> String {
+pub(crate) fn image_from_env(var: &str, default: &str) -> String {
     match std::env::var(var) {
         Ok(value) if !value.trim().is_empty() => value.trim().to_owned(),
         _ => default.to_owned(),

@@ -28,6 +28,7 @@
 //!
 //! [testcontainers]: https://docs.rs/testcontainers
 
+pub mod cluster;
 pub mod containers;
 pub mod keys;
 pub mod process;

@@ -3,11 +3,12 @@
 //! without stepping on each other. Relay and consumer run in-process, built through their
 //! libraries exactly as the binaries build them.
 
+pub mod broker;
 pub mod ops;
 pub mod remote;
 
 /// The containers and processes come from the kit users' suites use too.
-pub use handoff_testkit::{containers, process};
+pub use handoff_testkit::{cluster, containers, process};
 
 use std::future::Future;
 use std::time::Duration;
@@ -21,6 +22,7 @@ use handoff_shared::{Backoff, Subjects};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 
+pub use broker::Broker;
 pub use containers::{Nats, Postgres};
 pub use process::ServiceProcess;
 
@@ -31,7 +33,8 @@ pub const SEED_TITLE: &str = "Call about the approved repair plan";
 #[derive(Debug)]
 pub struct TestEnv {
     pub postgres: Postgres,
-    pub nats: Nats,
+    /// One NATS server, or a three-node cluster ([`TestEnv::start_on_cluster`]).
+    pub nats: Broker,
     /// The application's database (approved actions + outbox).
     pub producer_db: PgPool,
     /// The consumer's own database (inbox + CRM store).
@@ -59,12 +62,39 @@ impl TestEnv {
     pub async fn start_with_window(duplicate_window: Duration) -> Result<Self> {
         let _ = tracing_subscriber_init();
         let (postgres, nats) = tokio::try_join!(Postgres::start(), Nats::start())?;
+        Self::with_servers(postgres, Broker::Single(Box::new(nats)), duplicate_window).await
+    }
+
+    /// Like [`TestEnv::start`] with one NATS server running `sync_interval: always` (an fsync before
+    /// every acknowledgement), the durable single-node shape.
+    pub async fn start_durable() -> Result<Self> {
+        let _ = tracing_subscriber_init();
+        let (postgres, nats) = tokio::try_join!(Postgres::start(), Nats::start_durable())?;
+        Self::with_servers(postgres, Broker::Single(Box::new(nats)), Duration::from_secs(120)).await
+    }
+
+    /// Like [`TestEnv::start`] on a three-node NATS cluster (`sync_interval: always`), the
+    /// production shape: the test's stream has three replicas.
+    pub async fn start_on_cluster() -> Result<Self> {
+        let _ = tracing_subscriber_init();
+        let (postgres, cluster) = tokio::try_join!(Postgres::start(), cluster::NatsCluster::start())?;
+        Self::with_servers(postgres, Broker::Cluster(cluster), Duration::from_secs(120)).await
+    }
+
+    /// A test's world on servers the caller started (e.g. a Postgres with other settings), with
+    /// the default duplicate window.
+    pub async fn on(postgres: Postgres, nats: Broker) -> Result<Self> {
+        let _ = tracing_subscriber_init();
+        Self::with_servers(postgres, nats, Duration::from_secs(120)).await
+    }
+
+    async fn with_servers(postgres: Postgres, nats: Broker, duplicate_window: Duration) -> Result<Self> {
         let producer_db = pool(&postgres.fresh_database("producer").await?).await?;
         let consumer_db = pool(&postgres.fresh_database("consumer").await?).await?;
         handoff_relay::SCHEMA.migrate(&producer_db).await?;
         handoff_consumer::SCHEMA.migrate(&consumer_db).await?;
         grant_roles(&producer_db, &consumer_db).await?;
-        let client = async_nats::connect(nats.url()).await?;
+        let client = async_nats::connect(nats.addrs()).await?;
         let js = async_nats::jetstream::new(client.clone());
         let id = format!("{:08x}", rand_u32());
         Ok(Self {
@@ -89,7 +119,7 @@ impl TestEnv {
             duplicate_window: self.duplicate_window,
             max_age: Duration::ZERO,
             max_bytes: -1,
-            replicas: 1,
+            replicas: self.nats.replicas(),
             storage: StorageType::File,
         }
     }
@@ -141,7 +171,7 @@ impl TestEnv {
     /// logged in as the relay's runtime role ([`RELAY_ROLE`]).
     pub async fn relay(&self, settings: RelaySettings) -> Result<Relay> {
         let pool = pool(&self.relay_url()).await?;
-        let client = async_nats::connect(self.nats.url()).await?;
+        let client = async_nats::connect(self.nats.addrs()).await?;
         Relay::build(pool, client, self.stream_settings(), settings).await
     }
 
@@ -149,7 +179,7 @@ impl TestEnv {
     /// role ([`CONSUMER_ROLE`]).
     pub async fn consumer(&self, settings: ConsumerSettings) -> Result<Consumer<LocalCrm>> {
         let pool = pool(&self.replica_url()).await?;
-        let client = async_nats::connect(self.nats.url()).await?;
+        let client = async_nats::connect(self.nats.addrs()).await?;
         Consumer::build(pool, client, &self.subscription(), LocalCrm, settings).await
     }
 
@@ -162,6 +192,7 @@ impl TestEnv {
             ("HANDOFF_STREAM", self.stream.clone()),
             ("HANDOFF_SUBJECT_PREFIX", self.subjects.prefix().to_owned()),
             ("HANDOFF_DUPLICATE_WINDOW_SECS", self.duplicate_window.as_secs().to_string()),
+            ("HANDOFF_STREAM_REPLICAS", self.nats.replicas().to_string()),
             ("HANDOFF_STREAM_MAX_AGE_SECS", "0".into()),
             ("HANDOFF_CONSUMER_NAME", "crm".into()),
             ("HANDOFF_ACK_WAIT_SECS", "1".into()),
@@ -344,19 +375,25 @@ impl TestEnv {
 
     /// Records `n` approved actions in one statement through the SQL producer function.
     pub async fn approve_many_via_sql(&self, first: i64, n: i64) -> Result<()> {
-        sqlx::query(
-            r#"SELECT handoff.record_approved_action(
-                   'harbor:create-followup:v1:case-' || i,
-                   jsonb_build_object('case_id', 'case-' || i, 'title', 'Call about repair ' || i),
-                   'user-17')
-                 FROM generate_series($1::bigint, $2::bigint) AS i"#,
-        )
-        .bind(first)
-        .bind(first + n - 1)
-        .execute(&self.producer_db)
-        .await?;
-        Ok(())
+        approve_range(&self.producer_db, first, n).await
     }
+}
+
+/// Records the follow-ups of cases `first..first + n` in one statement through the SQL producer
+/// function (idempotent per key: a range recorded again changes nothing).
+pub async fn approve_range(producer: impl sqlx::PgExecutor<'_>, first: i64, n: i64) -> Result<()> {
+    sqlx::query(
+        r#"SELECT handoff.record_approved_action(
+               'harbor:create-followup:v1:case-' || i,
+               jsonb_build_object('case_id', 'case-' || i, 'title', 'Call about repair ' || i),
+               'user-17')
+             FROM generate_series($1::bigint, $2::bigint) AS i"#,
+    )
+    .bind(first)
+    .bind(first + n - 1)
+    .execute(producer)
+    .await?;
+    Ok(())
 }
 
 /// The login roles the suites run the services as, members of the group roles that

@@ -130,7 +130,7 @@ impl TestEnv {
     /// A consumer replica whose CRM is remote: intake writes ledger rows.
     pub async fn remote_consumer(&self) -> Result<Consumer<LedgerCrm>> {
         let pool = sqlx::PgPool::connect(&self.replica_url()).await?;
-        let client = async_nats::connect(self.nats.url()).await?;
+        let client = async_nats::connect(self.nats.addrs()).await?;
         Consumer::build(
             pool,
             client,

@@ -5,6 +5,7 @@
 mod adapters;
 mod admin;
 mod atomic;
+mod cluster;
 mod consumer;
 mod install;
 mod nats_permissions;

@@ -1,0 +1,178 @@
+//! On a three-node JetStream cluster (`sync_interval: always`, R3 streams), the production shape:
+//! the real relay and consumer binaries move every action exactly once while the stream leader is
+//! killed mid-batch, a node restarts, or the cluster loses quorum for a while.
+
+use std::time::Duration;
+
+use handoff_tests::{ServiceProcess, TestEnv, eventually};
+
+/// Relays that retry soon after the broker answers again, so tests do not wait out a long backoff.
+fn quick_retries() -> Vec<(&'static str, String)> {
+    vec![
+        ("HANDOFF_RELAY_BACKOFF_INITIAL_MS", "100".to_owned()),
+        ("HANDOFF_RELAY_BACKOFF_MAX_SECS", "1".to_owned()),
+        ("HANDOFF_RELAY_MAX_ATTEMPTS", "1000".to_owned()),
+    ]
+}
+
+/// Every count that proves exactly once: `n` rows published, `n` messages stored, `n` tasks for
+/// `n` distinct keys, nothing held, dead-lettered or left behind.
+async fn assert_exactly_once(env: &TestEnv, n: i64) {
+    let outbox = env.outbox().await.unwrap();
+    assert_eq!((outbox.published, outbox.pending, outbox.blocked), (n, 0, 0));
+    assert_eq!(env.stream_messages().await.unwrap(), n as u64, "messages stored in the R3 stream");
+    let counts = env.consumer_counts().await.unwrap();
+    assert_eq!((counts.tasks, counts.inbox, counts.reviews, counts.dead_letters), (n, n, 0, 0));
+    let distinct: i64 = sqlx::query_scalar("SELECT count(DISTINCT operation_key) FROM handoff_consumer.crm_task")
+        .fetch_one(&env.consumer_db)
+        .await
+        .unwrap();
+    assert_eq!(distinct, n, "one task per key");
+}
+
+async fn until_done(env: &TestEnv, n: i64, what: &str) {
+    eventually(what, Duration::from_secs(300), || async {
+        Ok((env.tasks().await? >= n && env.outbox().await?.published == n).then_some(()))
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn an_r3_stream_moves_actions_exactly_once_in_atomic_batches_and_dedups_a_repeated_id() {
+    const N: i64 = 1_000;
+    let env = TestEnv::start_on_cluster().await.unwrap();
+    let _relay = env.relay_process_with(&[("HANDOFF_PUBLISH_MODE", "atomic".to_owned())]).unwrap();
+    let _consumer = env.consumer_process().unwrap();
+    env.approve_many_via_sql(1, N).await.unwrap();
+    until_done(&env, N, "every task").await;
+
+    let mut stream = env.js.get_stream(&env.stream).await.unwrap();
+    let info = stream.info().await.unwrap();
+    let cluster = info.cluster.as_ref().expect("a clustered stream");
+    assert_eq!((info.config.num_replicas, cluster.replicas.len()), (3, 2), "a leader and two replicas");
+    assert!(info.config.allow_atomic_publish, "the relay provisioned atomic publishing");
+    // The broker still dedups a plain publish of a stored id on R3.
+    let key = "harbor:create-followup:v1:case-1";
+    let ack = env
+        .js
+        .send_publish(
+            env.subjects.for_key(&key.parse().unwrap()),
+            async_nats::jetstream::message::PublishMessage::build().payload("again".into()).message_id(key),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert!(ack.duplicate, "{ack:?}");
+    assert_exactly_once(&env, N).await;
+}
+
+#[tokio::test]
+async fn two_relays_and_three_consumers_lose_and_duplicate_nothing_through_a_leader_kill() {
+    const HALF: i64 = 3_000;
+    let env = TestEnv::start_on_cluster().await.unwrap();
+    let cluster = env.nats.cluster().unwrap();
+    let mut services: Vec<ServiceProcess> = Vec::new();
+    for _ in 0..2 {
+        services.push(env.relay_process_with(&quick_retries()).unwrap());
+    }
+    for _ in 0..3 {
+        services.push(env.consumer_process().unwrap());
+    }
+    env.approve_many_via_sql(1, HALF).await.unwrap();
+    eventually("the first messages stored", Duration::from_secs(120), || async {
+        Ok((env.stream_messages().await.unwrap_or(0) > 200).then_some(()))
+    })
+    .await
+    .unwrap();
+
+    // SIGKILL, no shutdown: batches in flight lose their PubAcks, the relays retry them.
+    let leader = cluster.stream_leader(&env.js, &env.stream).await.unwrap();
+    let killed = leader.name.clone();
+    leader.nats.kill().await.unwrap();
+    env.approve_many_via_sql(HALF + 1, HALF).await.unwrap();
+    // Two of three nodes are a quorum: everything is published and consumed without the third.
+    until_done(&env, 2 * HALF, "every task with the old leader dead").await;
+    let new_leader = eventually("a new leader", Duration::from_secs(60), || async {
+        Ok(cluster.stream_leader(&env.js, &env.stream).await.ok().map(|n| n.name.clone()))
+    })
+    .await
+    .unwrap();
+    assert_ne!(new_leader, killed, "the dead node cannot lead");
+
+    cluster.node(&killed).unwrap().nats.start_again().await.unwrap();
+    for service in &mut services {
+        assert!(!service.has_exited().unwrap(), "every relay and consumer rode out the leader kill");
+    }
+    assert_exactly_once(&env, 2 * HALF).await;
+}
+
+#[tokio::test]
+async fn without_quorum_publishes_wait_and_are_retried_with_the_same_key_until_it_returns() {
+    const N: i64 = 300;
+    let env = TestEnv::start_on_cluster().await.unwrap();
+    let cluster = env.nats.cluster().unwrap();
+    let relay =
+        ServiceProcess::spawn_capturing("handoff-relay", &[env.service_env_for_relay(), quick_retries()].concat())
+            .unwrap();
+    let _consumer = env.consumer_process().unwrap();
+    env.approve_many_via_sql(1, N).await.unwrap();
+    until_done(&env, N, "the first tasks").await;
+
+    // Two nodes down: the stream has no leader (publishes meet no responders or time out).
+    let leader = cluster.stream_leader(&env.js, &env.stream).await.unwrap().name.clone();
+    let follower = cluster.nodes().iter().find(|n| n.name != leader).unwrap();
+    follower.nats.stop().await.unwrap();
+    cluster.node(&leader).unwrap().nats.kill().await.unwrap();
+    env.approve_many_via_sql(N + 1, N).await.unwrap();
+    eventually("publishes to fail", Duration::from_secs(120), || async {
+        Ok(relay.log_lines().iter().any(|l| l.contains("publishing to the stream failing")).then_some(()))
+    })
+    .await
+    .unwrap();
+    assert_eq!(env.outbox().await.unwrap().published, N, "nothing is published without a quorum");
+
+    let (a, b) = (cluster.node(&leader).unwrap(), follower);
+    tokio::try_join!(a.nats.start_again(), b.nats.start_again()).unwrap();
+    until_done(&env, 2 * N, "every task after quorum returned").await;
+    eventually("the recovery line", Duration::from_secs(60), || async {
+        Ok(relay.log_lines().iter().any(|l| l.contains("publishing to the stream recovered")).then_some(()))
+    })
+    .await
+    .unwrap();
+    assert_exactly_once(&env, 2 * N).await;
+}
+
+#[tokio::test]
+async fn a_restarted_follower_catches_up_and_the_cluster_leads_on_when_the_leader_dies() {
+    const N: i64 = 500;
+    let env = TestEnv::start_on_cluster().await.unwrap();
+    let cluster = env.nats.cluster().unwrap();
+    let _relay = env.relay_process_with(&quick_retries()).unwrap();
+    let _consumer = env.consumer_process().unwrap();
+    env.approve_many_via_sql(1, N).await.unwrap();
+    until_done(&env, N, "the first tasks").await;
+
+    // A follower is away while more is published, then comes back and catches up.
+    let leader = cluster.stream_leader(&env.js, &env.stream).await.unwrap().name.clone();
+    let away = cluster.nodes().iter().find(|n| n.name != leader).unwrap();
+    away.nats.stop().await.unwrap();
+    env.approve_many_via_sql(N + 1, N).await.unwrap();
+    until_done(&env, 2 * N, "tasks while a follower is away").await;
+    away.nats.start_again().await.unwrap();
+    eventually("every replica current", Duration::from_secs(120), || async {
+        let mut stream = env.js.get_stream(&env.stream).await?;
+        let info = stream.info().await?;
+        let replicas = info.cluster.clone().map(|c| c.replicas).unwrap_or_default();
+        Ok((replicas.len() == 2 && replicas.iter().all(|r| r.current && r.lag.unwrap_or(0) == 0)).then_some(()))
+    })
+    .await
+    .unwrap();
+
+    // Now the leader dies: the cluster leads on with the node that was away.
+    cluster.node(&leader).unwrap().nats.kill().await.unwrap();
+    env.approve_many_via_sql(2 * N + 1, N).await.unwrap();
+    until_done(&env, 3 * N, "tasks after the leader died").await;
+    assert_exactly_once(&env, 3 * N).await;
+}
