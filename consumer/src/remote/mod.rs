@@ -36,6 +36,18 @@ pub mod upsert;
 /// The W3C Trace Context header every CRM call carries when the action came with a trace.
 pub const TRACEPARENT: &str = "traceparent";
 
+/// `request` carrying [`TRACEPARENT`] when the call continues the producer's trace: every adapter
+/// sends it on creates and readbacks alike.
+pub(crate) fn with_trace(
+    request: reqwest::RequestBuilder,
+    traceparent: Option<TraceParent>,
+) -> reqwest::RequestBuilder {
+    match traceparent {
+        Some(traceparent) => request.header(TRACEPARENT, traceparent.to_string()),
+        None => request,
+    }
+}
+
 /// What the destination offers for proving an outcome. Declared by configuration, from the CRM's
 /// documentation; the dispatcher follows the matching rule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -18,8 +18,8 @@ use reqwest::StatusCode;
 use serde::Deserialize;
 
 use super::{
-    Capability, CreateOutcome, HttpSettings, Readback, RemoteCrm, RemoteTask, TRACEPARENT, describe, transport_failure,
-    undecided_status,
+    Capability, CreateOutcome, HttpSettings, Readback, RemoteCrm, RemoteTask, describe, transport_failure,
+    undecided_status, with_trace,
 };
 
 #[derive(Debug, Deserialize)]
@@ -58,9 +58,7 @@ impl TasksApi {
         if matches!(self.capability, Capability::IdempotencyKey { .. }) {
             request = request.header("Idempotency-Key", task.operation_key);
         }
-        if let Some(traceparent) = task.traceparent {
-            request = request.header(TRACEPARENT, traceparent.to_string());
-        }
+        request = with_trace(request, task.traceparent);
         let call = format!("POST /v1/tasks [{}]", self.settings.account);
         let response = match request.send().await {
             Ok(response) => response,
@@ -106,9 +104,7 @@ impl TasksApi {
         };
         let evidence_for = |what: String| format!("GET {lookup} [{account}] -> {what}");
         let mut request = self.client.get(self.settings.url(&path)).bearer_auth(&self.settings.token);
-        if let Some(traceparent) = traceparent {
-            request = request.header(TRACEPARENT, traceparent.to_string());
-        }
+        request = with_trace(request, traceparent);
         let response = match request.send().await {
             Ok(response) => response,
             Err(e) => return Readback::Unavailable { evidence: evidence_for(describe(&e)) },

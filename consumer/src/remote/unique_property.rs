@@ -28,8 +28,8 @@ use serde::Deserialize;
 use serde_json::json;
 
 use super::{
-    Capability, CreateOutcome, HttpSettings, Readback, RecordMapping, RemoteCrm, RemoteTask, TRACEPARENT, describe,
-    path_segment, transport_failure, undecided_status,
+    Capability, CreateOutcome, HttpSettings, Readback, RecordMapping, RemoteCrm, RemoteTask, describe, path_segment,
+    transport_failure, undecided_status, with_trace,
 };
 
 #[derive(Debug, Deserialize)]
@@ -97,9 +97,7 @@ impl UniqueProperty {
             .post(self.settings.url(&self.objects()))
             .bearer_auth(&self.settings.token)
             .json(&json!({ "properties": properties }));
-        if let Some(traceparent) = task.traceparent {
-            request = request.header(TRACEPARENT, traceparent.to_string());
-        }
+        request = with_trace(request, task.traceparent);
         let response = match request.send().await {
             Ok(response) => response,
             Err(e) => return transport_failure(&e, &self.settings.not_executed, &call),
@@ -183,9 +181,7 @@ impl UniqueProperty {
             "properties": [self.mapping.key_field, self.mapping.hash_field],
         });
         let mut request = self.client.post(self.settings.url(&path)).bearer_auth(&self.settings.token).json(&body);
-        if let Some(traceparent) = traceparent {
-            request = request.header(TRACEPARENT, traceparent.to_string());
-        }
+        request = with_trace(request, traceparent);
         let response = match request.send().await {
             Ok(response) => response,
             Err(e) => return Readback::Unavailable { evidence: format!("{lookup} -> {}", describe(&e)) },

@@ -29,8 +29,8 @@ use reqwest::StatusCode;
 use serde::Deserialize;
 
 use super::{
-    Capability, CreateOutcome, HttpSettings, Readback, RecordMapping, RemoteCrm, RemoteTask, TRACEPARENT, describe,
-    path_segment, transport_failure, undecided_status,
+    Capability, CreateOutcome, HttpSettings, Readback, RecordMapping, RemoteCrm, RemoteTask, describe, path_segment,
+    transport_failure, undecided_status, with_trace,
 };
 
 /// The REST API version the paths are under.
@@ -84,9 +84,7 @@ impl Upsert {
             .patch(self.settings.url(&self.record_path(task.operation_key)))
             .bearer_auth(&self.settings.token)
             .json(&fields);
-        if let Some(traceparent) = task.traceparent {
-            request = request.header(TRACEPARENT, traceparent.to_string());
-        }
+        request = with_trace(request, task.traceparent);
         let response = match request.send().await {
             Ok(response) => response,
             Err(e) => return transport_failure(&e, &self.settings.not_executed, &call),
@@ -140,9 +138,7 @@ impl Upsert {
         );
         let mut request =
             self.client.get(self.settings.url(&self.record_path(operation_key))).bearer_auth(&self.settings.token);
-        if let Some(traceparent) = traceparent {
-            request = request.header(TRACEPARENT, traceparent.to_string());
-        }
+        request = with_trace(request, traceparent);
         let response = match request.send().await {
             Ok(response) => response,
             Err(e) => return Readback::Unavailable { evidence: format!("{lookup} -> {}", describe(&e)) },
