@@ -379,6 +379,16 @@ impl TestEnv {
     }
 }
 
+/// Extra environment for relay binaries that must retry soon after the broker or database is
+/// back (the defaults back off for minutes): cluster tests and `handoff-chaos`.
+pub fn quick_relay_retries() -> Vec<(&'static str, String)> {
+    vec![
+        ("HANDOFF_RELAY_BACKOFF_INITIAL_MS", "100".to_owned()),
+        ("HANDOFF_RELAY_BACKOFF_MAX_SECS", "1".to_owned()),
+        ("HANDOFF_RELAY_MAX_ATTEMPTS", "100000".to_owned()),
+    ]
+}
+
 /// Records the follow-ups of cases `first..first + n` in one statement through the SQL producer
 /// function (idempotent per key: a range recorded again changes nothing).
 pub async fn approve_range(producer: impl sqlx::PgExecutor<'_>, first: i64, n: i64) -> Result<()> {

@@ -157,15 +157,6 @@ const POSTGRES_CRASH_SAFE: &[&str] =
 /// The longest one recording or counting statement may take before it is tried again.
 const STATEMENT_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Relays that retry soon after what they depend on is back (the defaults back off for minutes).
-fn quick_retries() -> Vec<(&'static str, String)> {
-    vec![
-        ("HANDOFF_RELAY_BACKOFF_INITIAL_MS", "100".to_owned()),
-        ("HANDOFF_RELAY_BACKOFF_MAX_SECS", "1".to_owned()),
-        ("HANDOFF_RELAY_MAX_ATTEMPTS", "100000".to_owned()),
-    ]
-}
-
 async fn run(args: &Args, shape: Shape, rng: &mut StdRng) -> Result<(Counts, String)> {
     eprintln!(
         "handoff-chaos: starting {shape:?} (containers, databases, {} relays, {} consumers)",
@@ -180,7 +171,10 @@ async fn run(args: &Args, shape: Shape, rng: &mut StdRng) -> Result<(Counts, Str
     let env = TestEnv::on(postgres, broker).await?;
     let mut relays = Vec::new();
     for _ in 0..args.relays {
-        relays.push(Slot::spawn("handoff-relay", [env.service_env_for_relay(), quick_retries()].concat())?);
+        relays.push(Slot::spawn(
+            "handoff-relay",
+            [env.service_env_for_relay(), handoff_tests::quick_relay_retries()].concat(),
+        )?);
     }
     let mut consumers = Vec::new();
     for _ in 0..args.consumers {

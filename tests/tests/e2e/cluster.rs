@@ -6,15 +6,6 @@ use std::time::Duration;
 
 use handoff_tests::{ServiceProcess, TestEnv, eventually};
 
-/// Relays that retry soon after the broker answers again, so tests do not wait out a long backoff.
-fn quick_retries() -> Vec<(&'static str, String)> {
-    vec![
-        ("HANDOFF_RELAY_BACKOFF_INITIAL_MS", "100".to_owned()),
-        ("HANDOFF_RELAY_BACKOFF_MAX_SECS", "1".to_owned()),
-        ("HANDOFF_RELAY_MAX_ATTEMPTS", "1000".to_owned()),
-    ]
-}
-
 /// Every count that proves exactly once: `n` rows published, `n` messages stored, `n` tasks for
 /// `n` distinct keys, nothing held, dead-lettered or left behind.
 async fn assert_exactly_once(env: &TestEnv, n: i64) {
@@ -75,7 +66,7 @@ async fn two_relays_and_three_consumers_lose_and_duplicate_nothing_through_a_lea
     let cluster = env.nats.cluster().unwrap();
     let mut services: Vec<ServiceProcess> = Vec::new();
     for _ in 0..2 {
-        services.push(env.relay_process_with(&quick_retries()).unwrap());
+        services.push(env.relay_process_with(&handoff_tests::quick_relay_retries()).unwrap());
     }
     for _ in 0..3 {
         services.push(env.consumer_process().unwrap());
@@ -113,9 +104,11 @@ async fn without_quorum_publishes_wait_and_are_retried_with_the_same_key_until_i
     const N: i64 = 300;
     let env = TestEnv::start_on_cluster().await.unwrap();
     let cluster = env.nats.cluster().unwrap();
-    let relay =
-        ServiceProcess::spawn_capturing("handoff-relay", &[env.service_env_for_relay(), quick_retries()].concat())
-            .unwrap();
+    let relay = ServiceProcess::spawn_capturing(
+        "handoff-relay",
+        &[env.service_env_for_relay(), handoff_tests::quick_relay_retries()].concat(),
+    )
+    .unwrap();
     let _consumer = env.consumer_process().unwrap();
     env.approve_many_via_sql(1, N).await.unwrap();
     until_done(&env, N, "the first tasks").await;
@@ -149,7 +142,7 @@ async fn a_restarted_follower_catches_up_and_the_cluster_leads_on_when_the_leade
     const N: i64 = 500;
     let env = TestEnv::start_on_cluster().await.unwrap();
     let cluster = env.nats.cluster().unwrap();
-    let _relay = env.relay_process_with(&quick_retries()).unwrap();
+    let _relay = env.relay_process_with(&handoff_tests::quick_relay_retries()).unwrap();
     let _consumer = env.consumer_process().unwrap();
     env.approve_many_via_sql(1, N).await.unwrap();
     until_done(&env, N, "the first tasks").await;
