@@ -10,7 +10,9 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use anyhow::Result;
-use handoff_relay::outbox::{CLAIM_NEW_RANGE, CLAIM_RETRY_ROWS, DELETE_EXPIRED, ROWS_IN_RANGE, SETTLE_PUBLISHED_RANGE};
+use handoff_relay::outbox::{
+    CLAIM_NEW_RANGE, CLAIM_RETRY_ROWS, DELETE_EXPIRED, DELETE_EXPIRED_RANGES, ROWS_IN_RANGE, SETTLE_RANGE,
+};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgPool, Row};
 
@@ -75,18 +77,10 @@ async fn explain_all(pool: &PgPool, batch: i64) -> Result<BTreeMap<String, Strin
     let batch_id: Option<i64> = claimed.first().map(|r| r.get("batch_id"));
     plans.insert("rows_in_range".into(), explain(&mut tx, ROWS_IN_RANGE, |q| q.bind(batch_id)).await?);
     let ids: Vec<i64> = claimed.iter().map(|r| r.get("id")).collect();
-    let attempts = vec![1_i32; ids.len()];
-    let duplicates = vec![false; ids.len()];
     plans.insert(
         "settle".into(),
-        explain(&mut tx, SETTLE_PUBLISHED_RANGE, |q| {
-            q.bind("BENCH")
-                .bind(ids.clone())
-                .bind(ids.clone())
-                .bind(duplicates)
-                .bind(attempts)
-                .bind("bench")
-                .bind(batch_id)
+        explain(&mut tx, SETTLE_RANGE.as_str(), |q| {
+            q.bind("BENCH").bind(ids.clone()).bind(ids.clone()).bind(Vec::<i64>::new()).bind("bench").bind(batch_id)
         })
         .await?,
     );
@@ -100,6 +94,10 @@ async fn explain_all(pool: &PgPool, batch: i64) -> Result<BTreeMap<String, Strin
     plans.insert(
         "retention_step".into(),
         explain(&mut tx, DELETE_EXPIRED, |q| q.bind("0").bind(0_i64).bind(5_000_i64).bind(3600.0)).await?,
+    );
+    plans.insert(
+        "retention_ranges_step".into(),
+        explain(&mut tx, DELETE_EXPIRED_RANGES, |q| q.bind(5_000_i64).bind(3600.0)).await?,
     );
     tx.rollback().await?;
     Ok(plans)

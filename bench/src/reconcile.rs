@@ -55,9 +55,10 @@ pub async fn fill(world: &mut World, n: i64) -> Result<Filled> {
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
     loop {
-        let published: i64 = sqlx::query_scalar("SELECT count(*) FROM handoff.outbox WHERE state = 'published'")
-            .fetch_one(&producer.pool)
-            .await?;
+        let published: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM handoff.outbox_delivery WHERE state = 'published'")
+                .fetch_one(&producer.pool)
+                .await?;
         if published >= n {
             break;
         }

@@ -139,7 +139,7 @@ async fn relay_checks(world: &World, db: &Database, stream: &str, n: i64) -> Res
     let (published, duplicates, blocked) = loop {
         let counts: (i64, i64, i64) = sqlx::query_as(
             "SELECT count(*) FILTER (WHERE state = 'published'), count(*) FILTER (WHERE duplicate),
-                    count(*) FILTER (WHERE state = 'blocked') FROM handoff.outbox",
+                    count(*) FILTER (WHERE state = 'blocked') FROM handoff.outbox_delivery",
         )
         .fetch_one(&db.pool)
         .await?;
@@ -310,7 +310,7 @@ impl Pipeline {
         let recorded: Vec<(String, Option<f64>, Option<f64>)> = sqlx::query_as(
             "SELECT a.operation_key, extract(epoch FROM pg_xact_commit_timestamp(a.xmin))::float8,
                     extract(epoch FROM o.published_at)::float8
-               FROM handoff.approved_action AS a JOIN handoff.outbox AS o USING (operation_key)
+               FROM handoff.approved_action AS a JOIN handoff.outbox_delivery AS o USING (operation_key)
               WHERE a.operation_key LIKE $1",
         )
         .bind(&pattern)

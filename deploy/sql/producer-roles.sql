@@ -34,6 +34,9 @@ GRANT SELECT, UPDATE (payload_hash) ON handoff.approved_action TO handoff_relay_
 GRANT SELECT, UPDATE, DELETE ON handoff.outbox TO handoff_relay_runtime;
 GRANT SELECT, UPDATE ON handoff.relay_cursor TO handoff_relay_runtime;
 GRANT SELECT, INSERT, UPDATE, DELETE ON handoff.relay_batch TO handoff_relay_runtime;
+-- UPDATE only for the row lock of retention (FOR UPDATE SKIP LOCKED); the relay never updates a range.
+GRANT SELECT, INSERT, UPDATE, DELETE ON handoff.published_range TO handoff_relay_runtime;
+GRANT SELECT ON handoff.outbox_delivery TO handoff_relay_runtime;
 GRANT SELECT ON handoff.paused_action TO handoff_relay_runtime;
 
 -- The application: the SQL contract only (the function is SECURITY DEFINER, see the migration

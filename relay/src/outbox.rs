@@ -1,6 +1,6 @@
 //! The outbox tables: recording approved actions (the producer API) and the relay's claim, settle
 //! and retention statements. All SQL touching `handoff.approved_action`, `handoff.outbox` and the
-//! relay's own tables (`relay_cursor`, `relay_batch`) lives here.
+//! relay's own tables (`relay_cursor`, `relay_batch`, `published_range`) lives here.
 //!
 //! Two claim paths (see the migration `claim_by_range` for the why):
 //! * **Range** (new rows, the happy path): one short transaction moves the shared cursor over the
@@ -8,10 +8,14 @@
 //! * **Per row** (rows that failed, or were held back): the row's own lease and attempt count,
 //!   `FOR UPDATE SKIP LOCKED` on the `outbox_retry_due` index.
 //!
-//! After the network, one statement ([`settle`]) marks the published rows, reschedules or blocks
-//! the failed ones and releases the range. Blocked rows stay on the per-row path, never due
-//! (`next_attempt_at = 'infinity'`), so they are counted from its small index. Every relay statement is short and covers a whole batch;
-//! no transaction is ever open while a message is on the wire.
+//! After the network, one statement ([`settle`]) releases the range and records its published rows
+//! once, in the range's own `handoff.published_range` row (their ids and stream sequences; no write
+//! per row), and reschedules or blocks the failed ones on their own rows. Rows of the per-row path
+//! are marked one by one. A row's delivery state is therefore read from the view
+//! `handoff.outbox_delivery` (see the migration `published_range`), never from the outbox's own
+//! state columns. Blocked rows stay on the per-row path, never due (`next_attempt_at =
+//! 'infinity'`), so they are counted from its small index. Every relay statement is short and
+//! covers a whole batch; no transaction is ever open while a message is on the wire.
 
 use std::time::Duration;
 
@@ -537,30 +541,76 @@ pub const SETTLE: &str = r#"
     )
     SELECT (SELECT count(*) FROM published) AS published, (SELECT count(*) FROM failed) AS failed"#;
 
-/// The happy path of [`SETTLE`]: a range whose rows were all published, with no hash to store.
-/// The same published-row update, without the parts that have nothing to do: a statement a
-/// fraction of the size is planned in a fraction of the time, and every settle is planned afresh
-/// (`force_custom_plan`), which at low load costs more than the update itself.
-pub const SETTLE_PUBLISHED_RANGE: &str = r#"
-    WITH published AS (
-        UPDATE handoff.outbox AS o
-           SET state = 'published', attempts = u.attempts, stream = $1, stream_sequence = u.seq,
-               duplicate = u.dup, published_at = now(), updated_at = now()
-          FROM UNNEST($2::bigint[], $3::bigint[], $4::bool[], $5::int[]) AS u(id, seq, dup, attempts)
-         WHERE o.id = u.id AND o.id = ANY($2::bigint[]) AND o.state = 'pending'
-     RETURNING o.id
-    ), released AS (
-        DELETE FROM handoff.relay_batch WHERE id = $7 AND lease_owner = $6
-    )
-    SELECT (SELECT count(*) FROM published) AS published, 0::bigint AS failed"#;
+/// A range's settle (see [`settle`]): releases the range `$6` if `$5` still holds it and records
+/// its published rows once, as one `handoff.published_range` row: `$1` stream, `$2` outbox ids,
+/// `$3` their sequences, `$4` the ids the broker already held. No outbox row is written (see the
+/// migration `published_range`). `held` is false when the lease was lost: nothing was written.
+const SETTLE_RANGE_HEAD: &str = r#"
+    WITH released AS (
+        DELETE FROM handoff.relay_batch WHERE id = $6 AND lease_owner = $5
+     RETURNING after_transaction_id, after_outbox_id, last_transaction_id, last_outbox_id, attempts
+    ), recorded AS (
+        INSERT INTO handoff.published_range
+               (last_transaction_id, last_outbox_id, after_transaction_id, after_outbox_id, stream,
+                outbox_ids, stream_sequences, duplicate_ids, attempts)
+        SELECT r.last_transaction_id, r.last_outbox_id, r.after_transaction_id, r.after_outbox_id, $1,
+               $2::bigint[], $3::bigint[], $4::bigint[], r.attempts
+          FROM released AS r
+         WHERE cardinality($2::bigint[]) > 0
+     RETURNING 1
+    )"#;
 
-/// Records a claim's outcome in one statement: published rows with their PubAck (and hashes the
-/// relay computed), failed rows rescheduled on the per-row path or blocked, and the range released.
+/// [`SETTLE_RANGE_HEAD`] alone: the happy path. A statement a fraction of the size of [`SETTLE`]
+/// is planned in a fraction of the time, and every settle is planned afresh (`force_custom_plan`).
+pub static SETTLE_RANGE: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "{SETTLE_RANGE_HEAD}
+    SELECT EXISTS (SELECT 1 FROM released) AS held, 0::bigint AS failed"
+    )
+});
+
+/// [`SETTLE_RANGE_HEAD`] with failed rows, recorded on the per-row path while the range is held:
+/// `$7` ids, `$8` states, `$9` delays (s), `$10` errors, `$11` attempts (as in [`SETTLE`]).
+pub static SETTLE_RANGE_WITH_FAILURES: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "{SETTLE_RANGE_HEAD}, failed AS (
+        UPDATE handoff.outbox AS o
+           SET state = CASE WHEN u.state = 'held' THEN 'pending' ELSE u.state END,
+               attempts = u.attempts, retrying = true,
+               next_attempt_at = CASE WHEN u.state IN ('blocked', 'held') THEN 'infinity'
+                                      ELSE now() + make_interval(secs => u.delay) END,
+               last_error = u.error, lease_owner = NULL, updated_at = now()
+          FROM UNNEST($7::bigint[], $8::text[], $9::float8[], $10::text[], $11::int[])
+                   AS u(id, state, delay, error, attempts)
+         WHERE o.id = u.id AND o.id = ANY($7::bigint[]) AND o.state = 'pending' AND NOT o.retrying
+           AND EXISTS (SELECT 1 FROM released)
+     RETURNING o.id
+    )
+    SELECT EXISTS (SELECT 1 FROM released) AS held, (SELECT count(*) FROM failed) AS failed"
+    )
+});
+
+/// Stores hashes the relay computed for rows recorded without one (through the SQL function):
+/// `$1` keys, `$2` hashes. Idempotent (only a missing hash is filled in), so it runs on its own
+/// before a range's settle.
+const STORE_HASHES: &str = r#"
+    UPDATE handoff.approved_action AS a
+       SET payload_hash = h.hash
+      FROM UNNEST($1::text[], $2::text[]) AS h(operation_key, hash)
+     WHERE a.operation_key = h.operation_key AND a.operation_key = ANY($1::text[])
+       AND a.payload_hash IS NULL"#;
+
+/// Records a claim's outcome: published rows with their PubAck (and hashes the relay computed),
+/// failed rows rescheduled on the per-row path or blocked, and the range released.
 ///
-/// Published rows are marked whoever holds the lease now: once the broker holds the message,
-/// `published` is the truth. The update changes no indexed column, so it is HOT (no index entries).
-/// Failed rows are recorded only while `owner` still holds their lease (the range, or the row on the
-/// retry path): if it ran out, another relay owns them now and its outcome wins.
+/// * A range still held: its published rows are recorded once, in the range's own
+///   `handoff.published_range` row, with no write per row ([`SETTLE_RANGE`]); failed rows get their
+///   own state. Read a row's state through the view `handoff.outbox_delivery`.
+/// * A range whose lease ran out and was taken over: its published rows are marked one by one
+///   ([`SETTLE`]): once the broker holds the message, `published` is the truth, whoever holds the
+///   lease now. The update changes no indexed column, so it is HOT. Failed rows are left to the
+///   relay that holds the range now: its outcome wins.
+/// * Rows of the retry path: marked one by one, failed rows only while `owner` holds their lease.
 pub async fn settle(
     pool: &PgPool,
     owner: &str,
@@ -569,41 +619,95 @@ pub async fn settle(
     published: &[PublishedRow],
     failed: &[FailedRow],
 ) -> Result<Settled, sqlx::Error> {
-    let batch_id = match lease {
-        Lease::Nothing => return Ok(Settled::default()),
-        Lease::Range { batch_id } => Some(batch_id),
-        Lease::Rows if published.is_empty() && failed.is_empty() => return Ok(Settled::default()),
-        Lease::Rows => None,
-    };
     let (hash_keys, hashes): (Vec<&str>, Vec<&str>) =
         published.iter().filter_map(|r| r.computed_hash.as_deref().map(|h| (r.operation_key.as_str(), h))).unzip();
-    if let (Some(batch_id), true, true) = (batch_id, failed.is_empty(), hash_keys.is_empty()) {
-        return sqlx::query_as(SETTLE_PUBLISHED_RANGE)
-            .bind(stream)
-            .bind(published.iter().map(|r| r.id).collect::<Vec<_>>())
-            .bind(published.iter().map(|r| r.sequence as i64).collect::<Vec<_>>())
-            .bind(published.iter().map(|r| r.duplicate).collect::<Vec<_>>())
-            .bind(published.iter().map(|r| r.attempts).collect::<Vec<_>>())
-            .bind(owner)
-            .bind(batch_id)
-            .fetch_one(pool)
-            .await;
+    match lease {
+        Lease::Nothing => Ok(Settled::default()),
+        Lease::Rows if published.is_empty() && failed.is_empty() => Ok(Settled::default()),
+        Lease::Rows => settle_rows(pool, owner, stream, None, published, failed, (hash_keys, hashes)).await,
+        Lease::Range { batch_id } => {
+            if !hash_keys.is_empty() {
+                sqlx::query(STORE_HASHES).bind(&hash_keys).bind(&hashes).execute(pool).await?;
+            }
+            let statement = if failed.is_empty() { SETTLE_RANGE.as_str() } else { SETTLE_RANGE_WITH_FAILURES.as_str() };
+            let failures = Failures::of(failed);
+            let duplicates: Vec<i64> = published.iter().filter(|r| r.duplicate).map(|r| r.id).collect();
+            let query = sqlx::query_as(statement)
+                .bind(stream)
+                .bind(published.iter().map(|r| r.id).collect::<Vec<_>>())
+                .bind(published.iter().map(|r| r.sequence as i64).collect::<Vec<_>>())
+                .bind(duplicates)
+                .bind(owner)
+                .bind(batch_id);
+            let query = if failed.is_empty() {
+                query
+            } else {
+                query
+                    .bind(failures.ids)
+                    .bind(failures.states)
+                    .bind(failures.delays)
+                    .bind(failures.errors)
+                    .bind(failures.attempts)
+            };
+            let (held, failed_count): (bool, i64) = query.fetch_one(pool).await?;
+            if held {
+                return Ok(Settled { published: published.len() as i64, failed: failed_count });
+            }
+            tracing::info!(
+                batch_id,
+                rows = published.len(),
+                "range lease lost before its settle; marking its published rows one by one"
+            );
+            settle_rows(pool, owner, stream, Some(batch_id), published, &[], (Vec::new(), Vec::new())).await
+        }
     }
-    let states: Vec<&str> = failed
-        .iter()
-        .map(|r| match r.outcome {
-            Failure::RetryAfter(_) => "pending",
-            Failure::Block => "blocked",
-            Failure::Hold => "held",
-        })
-        .collect();
-    let delays: Vec<f64> = failed
-        .iter()
-        .map(|r| match r.outcome {
-            Failure::RetryAfter(d) => d.as_secs_f64(),
-            Failure::Block | Failure::Hold => 0.0,
-        })
-        .collect();
+}
+
+/// Failed rows as the settle statements' parallel arrays.
+struct Failures<'a> {
+    ids: Vec<i64>,
+    states: Vec<&'static str>,
+    delays: Vec<f64>,
+    errors: Vec<&'a str>,
+    attempts: Vec<i32>,
+}
+
+impl<'a> Failures<'a> {
+    fn of(failed: &'a [FailedRow]) -> Self {
+        Self {
+            ids: failed.iter().map(|r| r.id).collect(),
+            states: failed
+                .iter()
+                .map(|r| match r.outcome {
+                    Failure::RetryAfter(_) => "pending",
+                    Failure::Block => "blocked",
+                    Failure::Hold => "held",
+                })
+                .collect(),
+            delays: failed
+                .iter()
+                .map(|r| match r.outcome {
+                    Failure::RetryAfter(d) => d.as_secs_f64(),
+                    Failure::Block | Failure::Hold => 0.0,
+                })
+                .collect(),
+            errors: failed.iter().map(|r| r.error.as_str()).collect(),
+            attempts: failed.iter().map(|r| r.attempts).collect(),
+        }
+    }
+}
+
+/// [`SETTLE`]: every row written one by one.
+async fn settle_rows(
+    pool: &PgPool,
+    owner: &str,
+    stream: &str,
+    batch_id: Option<i64>,
+    published: &[PublishedRow],
+    failed: &[FailedRow],
+    (hash_keys, hashes): (Vec<&str>, Vec<&str>),
+) -> Result<Settled, sqlx::Error> {
+    let failures = Failures::of(failed);
     sqlx::query_as(SETTLE)
         .bind(stream)
         .bind(published.iter().map(|r| r.id).collect::<Vec<_>>())
@@ -612,11 +716,11 @@ pub async fn settle(
         .bind(published.iter().map(|r| r.attempts).collect::<Vec<_>>())
         .bind(hash_keys)
         .bind(hashes)
-        .bind(failed.iter().map(|r| r.id).collect::<Vec<_>>())
-        .bind(states)
-        .bind(delays)
-        .bind(failed.iter().map(|r| r.error.as_str()).collect::<Vec<_>>())
-        .bind(failed.iter().map(|r| r.attempts).collect::<Vec<_>>())
+        .bind(failures.ids)
+        .bind(failures.states)
+        .bind(failures.delays)
+        .bind(failures.errors)
+        .bind(failures.attempts)
         .bind(owner)
         .bind(batch_id)
         .fetch_one(pool)
@@ -678,6 +782,69 @@ pub const DELETE_EXPIRED: &str = r#"
            (SELECT transaction_id FROM last) AS last_transaction_id,
            (SELECT id FROM last) AS last_id"#;
 
+/// One step of range retention (see [`delete_expired_ranges`]): `$1` outbox rows at most, `$2`
+/// retention seconds.
+///
+/// The oldest ranges come first in their primary key (commit order). The chunk takes ranges until
+/// they list `$1` rows (at least one range); the expired ones are locked (`SKIP LOCKED`: another
+/// relay's pass skips them) and deleted with the rows they list that the range still speaks for
+/// (not re-queued: `NOT retrying`).
+pub const DELETE_EXPIRED_RANGES: &str = r#"
+    WITH oldest AS MATERIALIZED (
+        SELECT last_transaction_id, last_outbox_id, published_at,
+               sum(cardinality(outbox_ids)) OVER (ORDER BY last_transaction_id, last_outbox_id) AS listed
+          FROM (SELECT * FROM handoff.published_range
+                 ORDER BY last_transaction_id, last_outbox_id
+                 LIMIT $1) AS p
+    ), chunk AS MATERIALIZED (
+        SELECT * FROM oldest WHERE listed <= $1
+         UNION ALL
+        (SELECT * FROM oldest ORDER BY last_transaction_id, last_outbox_id LIMIT 1)
+    ), doomed AS MATERIALIZED (
+        SELECT p.last_transaction_id, p.last_outbox_id, p.outbox_ids
+          FROM handoff.published_range AS p
+          JOIN (SELECT DISTINCT last_transaction_id, last_outbox_id, published_at FROM chunk) AS c
+         USING (last_transaction_id, last_outbox_id)
+         WHERE c.published_at < now() - make_interval(secs => $2)
+           FOR UPDATE OF p SKIP LOCKED
+    ), deleted_rows AS (
+        DELETE FROM handoff.outbox AS o
+         WHERE o.id = ANY(ARRAY(SELECT unnest(outbox_ids) FROM doomed))
+           AND o.state = 'pending' AND NOT o.retrying
+     RETURNING 1
+    ), deleted_ranges AS (
+        DELETE FROM handoff.published_range AS p
+         USING doomed AS d
+         WHERE (p.last_transaction_id, p.last_outbox_id) = (d.last_transaction_id, d.last_outbox_id)
+     RETURNING 1
+    )
+    SELECT (SELECT count(*) FROM deleted_ranges) AS ranges,
+           (SELECT count(*) FROM deleted_rows) AS deleted,
+           (SELECT count(*) = 0 FROM oldest)
+             OR EXISTS (SELECT 1 FROM chunk WHERE published_at >= now() - make_interval(secs => $2)) AS reached_young"#;
+
+/// One step of range retention.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, sqlx::FromRow)]
+pub struct RangeRetentionStep {
+    /// Ranges deleted.
+    pub ranges: i64,
+    /// Outbox rows deleted with them.
+    pub deleted: i64,
+    /// The step reached a range that is not old enough yet (or there was none): the pass can stop.
+    pub reached_young: bool,
+}
+
+/// Deletes the oldest published ranges older than `retention`, with the outbox rows they list, up
+/// to about `limit` rows in one short statement. Ranges are deleted oldest first, so a pass stops at
+/// the first young one; a range another relay's pass holds is skipped.
+pub async fn delete_expired_ranges(
+    pool: &PgPool,
+    limit: i64,
+    retention: Duration,
+) -> Result<RangeRetentionStep, sqlx::Error> {
+    sqlx::query_as(DELETE_EXPIRED_RANGES).bind(limit).bind(retention.as_secs_f64()).fetch_one(pool).await
+}
+
 /// The approved action stays: it is the approval record, and it keeps "same key + different
 /// payload is a conflict" (and "same key + same payload adds nothing") true at the producer for
 /// ever, not only during the retention.
@@ -722,13 +889,22 @@ pub struct OutboxCounts {
     pub blocked: i64,
 }
 
-/// Counts rows by state.
+/// Counts rows by delivery state (as `handoff.outbox_delivery` says it), reading the whole table:
+/// for reports and tests. The published ranges' lists are joined whole (a hash join), not probed
+/// per row as the view does.
 pub async fn count_by_state(pool: &PgPool) -> Result<OutboxCounts, sqlx::Error> {
     sqlx::query_as(
-        r#"SELECT count(*) FILTER (WHERE state = 'pending')   AS pending,
+        r#"WITH listed AS (
+               SELECT unnest(outbox_ids) AS id FROM handoff.published_range
+           ), rows AS (
+               SELECT CASE WHEN o.state = 'pending' AND NOT o.retrying AND l.id IS NOT NULL THEN 'published'
+                           ELSE o.state END AS state
+                 FROM handoff.outbox AS o LEFT JOIN listed AS l ON l.id = o.id
+           )
+           SELECT count(*) FILTER (WHERE state = 'pending')   AS pending,
                   count(*) FILTER (WHERE state = 'published') AS published,
                   count(*) FILTER (WHERE state = 'blocked')   AS blocked
-             FROM handoff.outbox"#,
+             FROM rows"#,
     )
     .fetch_one(pool)
     .await
@@ -898,7 +1074,7 @@ pub async fn producer_record(pool: &PgPool, key: &str) -> Result<ProducerRecord,
                                   WHERE (o.transaction_id, o.id) > (b.after_transaction_id, b.after_outbox_id)
                                     AND (o.transaction_id, o.id) <= (b.last_transaction_id, b.last_outbox_id)
                                     AND b.lease_until > now()))) AS leased
-             FROM handoff.outbox AS o WHERE o.operation_key = $1"#,
+             FROM handoff.outbox_delivery AS o WHERE o.operation_key = $1"#,
     )
     .bind(key)
     .fetch_optional(pool)
@@ -988,11 +1164,14 @@ fn require(actor: &str, reason: &str) -> Result<(), OperatorError> {
 pub async fn unblock(pool: &PgPool, key: &str, actor: &str, reason: &str) -> Result<(), OperatorError> {
     require(actor, reason)?;
     let mut tx = pool.begin().await?;
-    let state: Option<String> =
-        sqlx::query_scalar("SELECT state FROM handoff.outbox WHERE operation_key = $1 FOR UPDATE")
-            .bind(key)
-            .fetch_optional(&mut *tx)
-            .await?;
+    // The row is locked; its delivery state is read through the view.
+    let state: Option<String> = sqlx::query_scalar(
+        r#"SELECT d.state FROM handoff.outbox AS o JOIN handoff.outbox_delivery AS d USING (id)
+            WHERE o.operation_key = $1 FOR UPDATE OF o"#,
+    )
+    .bind(key)
+    .fetch_optional(&mut *tx)
+    .await?;
     match state.as_deref() {
         None => return Err(OperatorError::NotFound(key.to_owned())),
         Some("blocked") => {}

@@ -125,23 +125,50 @@ pub struct Chunk {
 
 /// The next published rows in `scope` after `after`, examining at most `limit` outbox rows.
 pub async fn published_chunk(pool: &PgPool, scope: Scope, after: &Position, limit: i64) -> Result<Chunk, sqlx::Error> {
+    // Rows published with a range are listed in its `handoff.published_range` row: the ranges that
+    // overlap the chunk (those ending inside it, and the first one ending after it) are unnested
+    // and joined whole, not probed per row as the view `outbox_delivery` does.
     const PUBLISHED_CHUNK: &str = r#"
         WITH chunk AS MATERIALIZED (
-            SELECT transaction_id, id, operation_key, state, stream_sequence, published_at
+            SELECT transaction_id, id, operation_key, state, retrying, stream_sequence, published_at
               FROM handoff.outbox
              WHERE (transaction_id, id) > ($1::text::xid8, $2::bigint)
              ORDER BY transaction_id, id
              LIMIT $3
+        ), first AS (
+            SELECT transaction_id, id FROM chunk ORDER BY transaction_id, id LIMIT 1
         ), last AS (
-            SELECT transaction_id::text AS transaction_id, id FROM chunk ORDER BY transaction_id DESC, id DESC LIMIT 1
+            SELECT transaction_id, id FROM chunk ORDER BY transaction_id DESC, id DESC LIMIT 1
+        ), ranges AS (
+            SELECT p.outbox_ids, p.stream_sequences, p.published_at
+              FROM handoff.published_range AS p
+             WHERE (p.last_transaction_id, p.last_outbox_id) >= ((SELECT transaction_id FROM first), (SELECT id FROM first))
+               AND (p.last_transaction_id, p.last_outbox_id) < ((SELECT transaction_id FROM last), (SELECT id FROM last))
+             UNION ALL
+            (SELECT p.outbox_ids, p.stream_sequences, p.published_at
+               FROM handoff.published_range AS p
+              WHERE (p.last_transaction_id, p.last_outbox_id) >= ((SELECT transaction_id FROM last), (SELECT id FROM last))
+              ORDER BY p.last_transaction_id, p.last_outbox_id
+              LIMIT 1)
+        ), listed AS (
+            SELECT u.id, u.sequence, r.published_at
+              FROM ranges AS r CROSS JOIN LATERAL unnest(r.outbox_ids, r.stream_sequences) AS u(id, sequence)
+        ), published AS (
+            SELECT c.transaction_id, c.id, c.operation_key,
+                   COALESCE(l.sequence, c.stream_sequence) AS stream_sequence,
+                   COALESCE(l.published_at, c.published_at) AS published_at
+              FROM chunk AS c
+              LEFT JOIN listed AS l ON l.id = c.id AND c.state = 'pending' AND NOT c.retrying
+             WHERE (c.state = 'published' AND c.stream_sequence IS NOT NULL) OR l.id IS NOT NULL
+        ), tail AS (
+            SELECT transaction_id::text AS transaction_id, id FROM last
         )
         SELECT c.operation_key, c.stream_sequence, c.published_at,
-               (SELECT transaction_id FROM last) AS last_transaction_id, (SELECT id FROM last) AS last_id,
+               (SELECT transaction_id FROM tail) AS last_transaction_id, (SELECT id FROM tail) AS last_id,
                (SELECT count(*) FROM chunk) AS examined
           FROM (SELECT 1) AS one
-          LEFT JOIN chunk AS c
-            ON c.state = 'published' AND c.stream_sequence IS NOT NULL
-           AND ($4::timestamptz IS NULL OR c.published_at >= $4)
+          LEFT JOIN published AS c
+            ON ($4::timestamptz IS NULL OR c.published_at >= $4)
            AND c.stream_sequence BETWEEN $5 AND $6
          ORDER BY c.transaction_id, c.id"#;
     #[derive(sqlx::FromRow)]
@@ -253,7 +280,7 @@ pub struct Requeued {
 /// and would answer a re-publish with `duplicate: true` and store nothing. After a broker restart
 /// the ids of lost messages are forgotten anyway; waiting the window is then only cautious.
 ///
-/// Only rows still `published` are touched, so running it twice, or while relays run, changes
+/// Only rows still published are touched, so running it twice, or while relays run, changes
 /// nothing more. Returns the rows re-queued.
 pub async fn requeue(
     pool: &PgPool,
@@ -262,16 +289,24 @@ pub async fn requeue(
     actor: &str,
     reason: &str,
 ) -> Result<Vec<Requeued>, sqlx::Error> {
+    // The row's sequence and publish time come from the view: a row published with a range has
+    // them in the range's row, not its own. Once re-queued (`retrying`) it has its own state again.
     const REQUEUE: &str = r#"
-        WITH requeued AS (
+        WITH lost AS (
+            SELECT d.id, d.stream_sequence, d.published_at
+              FROM handoff.outbox_delivery AS d
+             WHERE d.operation_key = ANY($1::text[]) AND d.state = 'published'
+        ), requeued AS (
             UPDATE handoff.outbox AS o
                SET state = 'pending', retrying = true, attempts = 0, lease_owner = NULL,
-                   next_attempt_at = GREATEST(now(), o.published_at + make_interval(secs => $2)),
-                   last_error = 're-queued after broker loss (was stream sequence ' || o.stream_sequence || ')',
-                   -- stream_sequence stays: if the broker still answers "duplicate" with it, the
-                   -- relay knows nothing was stored and tries again after the window.
+                   next_attempt_at = GREATEST(now(), l.published_at + make_interval(secs => $2)),
+                   last_error = 're-queued after broker loss (was stream sequence ' || l.stream_sequence || ')',
+                   -- The lost sequence is kept: if the broker still answers "duplicate" with it,
+                   -- the relay knows nothing was stored and tries again after the window.
+                   stream_sequence = l.stream_sequence,
                    stream = NULL, duplicate = NULL, published_at = NULL, updated_at = now()
-             WHERE o.operation_key = ANY($1::text[]) AND o.state = 'published'
+              FROM lost AS l
+             WHERE o.id = l.id AND (o.state = 'published' OR (o.state = 'pending' AND NOT o.retrying))
          RETURNING o.operation_key, o.next_attempt_at AS due_at
         ), audit AS (
             INSERT INTO handoff.audit (operation_key, actor, action, reason)

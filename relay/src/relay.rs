@@ -575,11 +575,20 @@ impl Relay {
     }
 
     /// One retention pass: deletes published rows older than the retention, a chunk per statement,
-    /// until it reaches rows that are still young. Returns how many rows it deleted.
+    /// until it reaches rows that are still young: first published ranges with the rows they list,
+    /// oldest first, then rows published one by one (the retry path), in commit order. Returns how
+    /// many outbox rows it deleted.
     pub async fn apply_retention(&self) -> Result<u64, RelayError> {
         let Some(retention) = self.settings.retention else { return Ok(0) };
-        let mut position = RetentionPosition::start();
         let mut deleted = 0;
+        loop {
+            let step = outbox::delete_expired_ranges(&self.pool, RETENTION_CHUNK, retention).await?;
+            deleted += step.deleted as u64;
+            if step.reached_young || step.ranges == 0 {
+                break;
+            }
+        }
+        let mut position = RetentionPosition::start();
         loop {
             let step = outbox::delete_expired(&self.pool, &position, RETENTION_CHUNK, retention).await?;
             deleted += step.deleted as u64;

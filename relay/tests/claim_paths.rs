@@ -33,8 +33,10 @@ async fn a_row_committed_behind_an_open_transaction_waits_for_it_then_is_publish
     assert_eq!((batch.published, batch.held_back_by), (1, None), "{batch:?}");
     assert_eq!(relay.publish_batch().await.unwrap().claimed, 0);
     assert_eq!(env.stream_messages().await.unwrap(), 1);
-    let (state, attempts): (String, i32) =
-        sqlx::query_as("SELECT state, attempts FROM handoff.outbox").fetch_one(&env.producer_db).await.unwrap();
+    let (state, attempts): (String, i32) = sqlx::query_as("SELECT state, attempts FROM handoff.outbox_delivery")
+        .fetch_one(&env.producer_db)
+        .await
+        .unwrap();
     assert_eq!((state.as_str(), attempts), ("published", 1));
 }
 
@@ -65,32 +67,75 @@ async fn a_row_held_back_too_long_is_rescued_to_the_per_row_path_and_not_sent_ag
 #[tokio::test]
 async fn retention_deletes_outbox_rows_published_longer_ago_and_keeps_approvals_and_the_rest() {
     let env = TestEnv::start().await.unwrap();
-    let settings = RelaySettings { retention: Some(Duration::from_secs(3600)), ..env.relay_settings() };
+    let settings =
+        RelaySettings { retention: Some(Duration::from_secs(3600)), held_back: Duration::ZERO, ..env.relay_settings() };
     let relay = env.relay(settings).await.unwrap();
-    for case in ["case-1", "case-2", "case-3"] {
+    let key = |case: &str| format!("harbor:create-followup:v1:{case}");
+    // Range A: case-1 and case-2, recorded once as a published range.
+    for case in ["case-1", "case-2"] {
         env.approve(case, SEED_TITLE).await.unwrap();
     }
-    assert_eq!(relay.publish_batch().await.unwrap().published, 3);
+    assert_eq!(relay.publish_batch().await.unwrap().published, 2);
+    // Range B: case-3.
+    env.approve("case-3", SEED_TITLE).await.unwrap();
+    assert_eq!(relay.publish_batch().await.unwrap().published, 1);
+    // case-5 goes out on the per-row path (held back, rescued) and is marked on its own row.
+    let open = open_write_transaction(&env).await;
+    env.approve("case-5", SEED_TITLE).await.unwrap();
+    assert!(relay.publish_batch().await.unwrap().held_back_by.is_some());
+    assert_eq!(relay.rescue_held_back_rows().await.unwrap(), 1);
+    assert_eq!(relay.publish_batch().await.unwrap().published, 1);
+    open.commit().await.unwrap();
+    assert_eq!(relay.publish_batch().await.unwrap().claimed, 0);
+    let ranges =
+        || sqlx::query_scalar::<_, i64>("SELECT count(*) FROM handoff.published_range").fetch_one(&env.producer_db);
+    assert_eq!(ranges().await.unwrap(), 2, "ranges A and B; case-5 has its own row");
+    // case-2 is re-queued (as after a broker loss): its own row speaks for it again.
+    let requeued =
+        handoff_relay::reconcile::requeue(&env.producer_db, &[key("case-2")], Duration::ZERO, "test", "lost")
+            .await
+            .unwrap();
+    assert_eq!(requeued.len(), 1);
     env.approve("case-4", SEED_TITLE).await.unwrap();
+    // Range A and case-5 were published two hours ago.
     sqlx::query(
-        "UPDATE handoff.outbox SET published_at = now() - interval '2 hours'
-          WHERE operation_key IN ('harbor:create-followup:v1:case-1', 'harbor:create-followup:v1:case-2')",
+        "UPDATE handoff.published_range SET published_at = now() - interval '2 hours'
+          WHERE (SELECT id FROM handoff.outbox WHERE operation_key = $1) = ANY(outbox_ids)",
     )
+    .bind(key("case-1"))
     .execute(&env.producer_db)
     .await
     .unwrap();
+    sqlx::query("UPDATE handoff.outbox SET published_at = now() - interval '2 hours' WHERE operation_key = $1")
+        .bind(key("case-5"))
+        .execute(&env.producer_db)
+        .await
+        .unwrap();
 
-    assert_eq!(relay.apply_retention().await.unwrap(), 2);
-    let outbox = env.outbox().await.unwrap();
-    assert_eq!((outbox.published, outbox.pending), (1, 1));
-    assert_eq!(env.approvals().await.unwrap(), 4, "approvals are the business record and stay");
+    assert_eq!(relay.apply_retention().await.unwrap(), 2, "case-1 with its range, and case-5");
+    assert_eq!(ranges().await.unwrap(), 1, "range B is young");
+    let states: Vec<(String, String)> =
+        sqlx::query_as("SELECT operation_key, state FROM handoff.outbox_delivery ORDER BY operation_key")
+            .fetch_all(&env.producer_db)
+            .await
+            .unwrap();
+    let expected = [("case-2", "pending"), ("case-3", "published"), ("case-4", "pending")];
+    assert_eq!(states, expected.map(|(c, s)| (key(c), s.to_owned())), "the re-queued row outlived its range");
+    assert_eq!(env.approvals().await.unwrap(), 5, "approvals are the business record and stay");
     assert_eq!(relay.apply_retention().await.unwrap(), 0, "nothing else is old enough");
     // Re-approving a retained-away action still adds nothing, and a changed one is still a conflict.
     assert_eq!(env.approve("case-1", SEED_TITLE).await.unwrap(), handoff_relay::Recorded::AlreadyRecorded);
     assert!(matches!(env.approve("case-1", "changed").await, Err(handoff_relay::RecordError::Conflict(_))));
-    assert_eq!(env.outbox().await.unwrap().pending, 1);
-    // The pending row is unaffected and still goes out.
-    assert_eq!(relay.publish_batch().await.unwrap().published, 1);
+    assert_eq!(env.outbox().await.unwrap().pending, 2);
+    // The new row is unaffected and still goes out. The re-queued one waits on the per-row path:
+    // the broker still holds its message (nothing was really lost) and says so.
+    let mut published = 0;
+    for _ in 0..3 {
+        published += relay.publish_batch().await.unwrap().published;
+    }
+    assert_eq!(published, 1);
+    let outbox = env.outbox().await.unwrap();
+    assert_eq!((outbox.published, outbox.pending), (2, 1));
 }
 
 #[tokio::test]
@@ -123,8 +168,10 @@ async fn rows_left_pending_by_a_relay_from_before_the_upgrade_are_published_on_t
     // This relay is the upgrade: it migrates the old schema itself, as the owner.
     let settings = RelaySettings { migrate: handoff_shared::migrate::MigrateMode::Auto, ..env.relay_settings() };
     let relay = Relay::build(pool.clone(), client, env.stream_settings(), settings).await.unwrap();
-    let retrying: Vec<i64> =
-        sqlx::query_scalar("SELECT id FROM handoff.outbox WHERE retrying ORDER BY id").fetch_all(&pool).await.unwrap();
+    let retrying: Vec<i64> = sqlx::query_scalar("SELECT id FROM handoff.outbox_delivery WHERE retrying ORDER BY id")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
     assert_eq!(retrying, [2, 3]);
 
     // Row 3 is due; row 2 waits for the old relay's lease.
@@ -138,7 +185,10 @@ async fn rows_left_pending_by_a_relay_from_before_the_upgrade_are_published_on_t
         .unwrap();
     assert_eq!(relay.publish_batch().await.unwrap().published, 1);
     let states: Vec<(i64, String, bool)> =
-        sqlx::query_as("SELECT id, state, retrying FROM handoff.outbox ORDER BY id").fetch_all(&pool).await.unwrap();
+        sqlx::query_as("SELECT id, state, retrying FROM handoff.outbox_delivery ORDER BY id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
     assert_eq!(
         states,
         [

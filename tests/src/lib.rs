@@ -373,6 +373,23 @@ impl TestEnv {
         Ok(stream.info().await?.state.messages)
     }
 
+    /// Checks that every published row's sequence (as `handoff.outbox_delivery` says it) holds
+    /// the message with that row's key; returns how many published rows there are.
+    pub async fn published_sequences_match_the_stream(&self) -> Result<usize> {
+        let rows: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT operation_key, stream_sequence FROM handoff.outbox_delivery WHERE state = 'published' ORDER BY id",
+        )
+        .fetch_all(&self.producer_db)
+        .await?;
+        let stream = self.js.get_stream(&self.stream).await?;
+        for (key, sequence) in &rows {
+            let message = stream.get_raw_message(*sequence as u64).await?;
+            let id = message.headers.get(handoff_shared::headers::MSG_ID).map(|v| v.as_str().to_owned());
+            anyhow::ensure!(id.as_deref() == Some(key.as_str()), "sequence {sequence} holds {id:?}, not {key}");
+        }
+        Ok(rows.len())
+    }
+
     /// Records `n` approved actions in one statement through the SQL producer function.
     pub async fn approve_many_via_sql(&self, first: i64, n: i64) -> Result<()> {
         approve_range(&self.producer_db, first, n).await

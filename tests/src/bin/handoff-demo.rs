@@ -131,7 +131,7 @@ async fn main() -> Result<()> {
 }
 
 async fn snapshot(env: &TestEnv, step: &'static str, result: String) -> Result<Step> {
-    let attempts: i32 = sqlx::query_scalar("SELECT attempts FROM handoff.outbox WHERE operation_key = $1")
+    let attempts: i32 = sqlx::query_scalar("SELECT attempts FROM handoff.outbox_delivery WHERE operation_key = $1")
         .bind(KEY)
         .fetch_one(&env.producer_db)
         .await?;

@@ -201,7 +201,7 @@ async fn a_paused_action_type_is_held_without_attempts_and_published_once_when_r
     let batch = relay.publish_batch().await.unwrap();
     assert_eq!((batch.claimed, batch.held, batch.published), (5, 5, 0), "{batch:?}");
     assert_eq!(relay.publish_batch().await.unwrap().claimed, 0, "held rows are never due");
-    let rows: Vec<(String, i32)> = sqlx::query_as("SELECT state, attempts FROM handoff.outbox ORDER BY id")
+    let rows: Vec<(String, i32)> = sqlx::query_as("SELECT state, attempts FROM handoff.outbox_delivery ORDER BY id")
         .fetch_all(&env.producer_db)
         .await
         .unwrap();
@@ -222,7 +222,7 @@ async fn a_paused_action_type_is_held_without_attempts_and_published_once_when_r
     let batch = relay.publish_batch().await.unwrap();
     assert_eq!((batch.published, batch.held), (5, 0), "{batch:?}");
     assert_eq!(relay.publish_batch().await.unwrap().claimed, 0);
-    let attempts: Vec<i32> = sqlx::query_scalar("SELECT attempts FROM handoff.outbox ORDER BY id")
+    let attempts: Vec<i32> = sqlx::query_scalar("SELECT attempts FROM handoff.outbox_delivery ORDER BY id")
         .fetch_all(&env.producer_db)
         .await
         .unwrap();
@@ -365,7 +365,7 @@ async fn a_repaired_row_the_broker_still_remembers_waits_out_the_window_instead_
     let batch = relay.publish_batch().await.unwrap();
     assert_eq!((batch.claimed, batch.published, batch.retried), (1, 0, 1), "{batch:?}");
     let (state, attempts, error, due_in): (String, i32, String, f64) = sqlx::query_as(
-        "SELECT state, attempts, last_error, extract(epoch FROM next_attempt_at - now())::float8 FROM handoff.outbox",
+        "SELECT state, attempts, last_error, extract(epoch FROM next_attempt_at - now())::float8 FROM handoff.outbox_delivery",
     )
     .fetch_one(&env.producer_db)
     .await

@@ -10,23 +10,6 @@ use handoff_relay::RelaySettings;
 use handoff_relay::publisher::{self, Outgoing, PublishMode};
 use handoff_tests::{TestEnv, eventually};
 
-/// Every published row's recorded sequence holds the message with that row's key.
-async fn sequences_match_the_stream(env: &TestEnv) -> usize {
-    let rows: Vec<(String, i64)> = sqlx::query_as(
-        "SELECT operation_key, stream_sequence FROM handoff.outbox WHERE state = 'published' ORDER BY stream_sequence",
-    )
-    .fetch_all(&env.producer_db)
-    .await
-    .unwrap();
-    let stream = env.js.get_stream(&env.stream).await.unwrap();
-    for (key, sequence) in &rows {
-        let message = stream.get_raw_message(*sequence as u64).await.unwrap();
-        let id = message.headers.get(handoff_shared::headers::MSG_ID).map(|v| v.as_str().to_owned());
-        assert_eq!(id.as_deref(), Some(key.as_str()), "sequence {sequence}");
-    }
-    rows.len()
-}
-
 #[tokio::test]
 async fn a_backlog_goes_out_in_atomic_batches_with_every_rows_sequence_right() {
     let env = TestEnv::start().await.unwrap();
@@ -45,7 +28,7 @@ async fn a_backlog_goes_out_in_atomic_batches_with_every_rows_sequence_right() {
         assert!(batches < 20, "no progress");
     }
     assert_eq!(env.stream_messages().await.unwrap(), 2_500);
-    assert_eq!(sequences_match_the_stream(&env).await, 2_500);
+    assert_eq!(env.published_sequences_match_the_stream().await.unwrap(), 2_500);
     assert_eq!(relay.metrics().atomic_batches.get(), 3, "1,000 + 1,000 + 500");
     assert_eq!(relay.metrics().atomic_fallbacks.get(), 0);
 
@@ -116,7 +99,7 @@ async fn a_lost_commit_ack_is_settled_by_the_retry_without_a_second_copy() {
     let fallbacks = relay.metrics().atomic_fallbacks.get();
     assert_eq!(fallbacks, 1, "the re-claimed range was one batch refused whole");
     assert_eq!(env.stream_messages().await.unwrap(), 500);
-    assert_eq!(sequences_match_the_stream(&env).await, 500);
+    assert_eq!(env.published_sequences_match_the_stream().await.unwrap(), 500);
     let consumer = env.consumer(env.consumer_settings()).await.unwrap();
     eventually("500 tasks", Duration::from_secs(60), || async {
         consumer.fetch_and_handle(Duration::from_secs(1)).await?;
@@ -140,7 +123,7 @@ async fn pipelined_mode_leaves_the_stream_without_atomic_batches_and_still_publi
         relay.publish_batch().await.unwrap();
     }
     assert_eq!(env.stream_messages().await.unwrap(), 1_200);
-    assert_eq!(sequences_match_the_stream(&env).await, 1_200);
+    assert_eq!(env.published_sequences_match_the_stream().await.unwrap(), 1_200);
 }
 
 #[tokio::test]
@@ -187,7 +170,7 @@ async fn on_a_server_before_2_15_auto_publishes_pipelined_and_atomic_still_works
     assert_eq!(atomic.metrics().atomic_fallbacks.get(), 0);
     assert!(atomic.metrics().atomic_batches.get() >= 1);
     let rows: Vec<(String, i64)> =
-        sqlx::query_as("SELECT operation_key, stream_sequence FROM handoff.outbox WHERE state = 'published'")
+        sqlx::query_as("SELECT operation_key, stream_sequence FROM handoff.outbox_delivery WHERE state = 'published'")
             .fetch_all(&env.producer_db)
             .await
             .unwrap();

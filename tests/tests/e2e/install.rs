@@ -64,7 +64,7 @@ async fn relay_and_consumer_migrate_into_an_application_database_and_every_migra
         .await
         .unwrap();
     eventually("published", WAIT, || async {
-        let state: String = sqlx::query_scalar("SELECT state FROM handoff.outbox").fetch_one(&pool).await?;
+        let state: String = sqlx::query_scalar("SELECT state FROM handoff.outbox_delivery").fetch_one(&pool).await?;
         Ok((state == "published").then_some(()))
     })
     .await

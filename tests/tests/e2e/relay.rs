@@ -21,7 +21,7 @@ async fn nats_unavailable_at_publish_keeps_the_row_pending_until_it_is_back() {
     let outbox = env.outbox().await.unwrap();
     assert_eq!((outbox.pending, outbox.published), (1, 0));
     let last_error: Option<String> =
-        sqlx::query_scalar("SELECT last_error FROM handoff.outbox").fetch_one(&env.producer_db).await.unwrap();
+        sqlx::query_scalar("SELECT last_error FROM handoff.outbox_delivery").fetch_one(&env.producer_db).await.unwrap();
     assert!(last_error.unwrap().contains("publish failed"));
 
     env.nats.start_again().await.unwrap();
@@ -56,7 +56,10 @@ async fn a_lost_puback_is_republished_as_a_jetstream_duplicate_and_makes_one_tas
     let batch = restarted.publish_batch().await.unwrap();
     assert_eq!((batch.published, batch.duplicates), (1, 1));
     let (duplicate, attempts): (Option<bool>, i32) =
-        sqlx::query_as("SELECT duplicate, attempts FROM handoff.outbox").fetch_one(&env.producer_db).await.unwrap();
+        sqlx::query_as("SELECT duplicate, attempts FROM handoff.outbox_delivery")
+            .fetch_one(&env.producer_db)
+            .await
+            .unwrap();
     assert_eq!((duplicate, attempts), (Some(true), 2));
     assert_eq!(env.stream_messages().await.unwrap(), 1);
 
@@ -76,7 +79,7 @@ async fn a_published_row_is_never_selected_again() {
     env.approve("case-104", SEED_TITLE).await.unwrap();
     assert_eq!(relay.publish_batch().await.unwrap().claimed, 0);
     let attempts: i32 =
-        sqlx::query_scalar("SELECT attempts FROM handoff.outbox").fetch_one(&env.producer_db).await.unwrap();
+        sqlx::query_scalar("SELECT attempts FROM handoff.outbox_delivery").fetch_one(&env.producer_db).await.unwrap();
     assert_eq!(attempts, 1);
     assert_eq!(env.stream_messages().await.unwrap(), 1);
 }
@@ -101,7 +104,7 @@ async fn the_retry_budget_blocks_a_row_that_keeps_failing_and_publishes_nothing(
     assert_eq!(outcomes, [(1, 0), (1, 0), (0, 1)]);
     assert_eq!(relay.publish_batch().await.unwrap().claimed, 0, "blocked rows are not retried");
     let (state, attempts, error): (String, i32, String) =
-        sqlx::query_as("SELECT state, attempts, last_error FROM handoff.outbox")
+        sqlx::query_as("SELECT state, attempts, last_error FROM handoff.outbox_delivery")
             .fetch_one(&env.producer_db)
             .await
             .unwrap();
@@ -127,8 +130,10 @@ async fn repeated_crashes_after_publish_still_end_with_exactly_one_task() {
     // The fourth claim finds the budget spent: blocked for an operator, not sent again.
     let batch = relay.publish_batch().await.unwrap();
     assert_eq!((batch.claimed, batch.published, batch.blocked), (1, 0, 1));
-    let (state, error): (String, String) =
-        sqlx::query_as("SELECT state, last_error FROM handoff.outbox").fetch_one(&env.producer_db).await.unwrap();
+    let (state, error): (String, String) = sqlx::query_as("SELECT state, last_error FROM handoff.outbox_delivery")
+        .fetch_one(&env.producer_db)
+        .await
+        .unwrap();
     assert_eq!(state, "blocked");
     assert!(error.contains("retry budget exhausted"), "{error}");
 
