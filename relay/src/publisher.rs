@@ -183,6 +183,50 @@ pub async fn ensure_stream(
     js.update_stream(&config).await.map_err(|source| StreamSetupError::Update { name, changes, source })
 }
 
+impl StreamSetupError {
+    /// The broker did not answer in time or has no JetStream leader yet (a cluster electing one,
+    /// a node starting, a moment of overload): the same request may succeed in a moment. A
+    /// setting the relay refuses, or an answer JetStream gave, is not transient.
+    pub fn is_transient(&self) -> bool {
+        use async_nats::jetstream::context::{CreateStreamErrorKind, GetStreamErrorKind};
+        match self {
+            Self::Info { source, .. } => matches!(source.kind(), GetStreamErrorKind::Request),
+            Self::Create { source, .. } | Self::Update { source, .. } => {
+                matches!(source.kind(), CreateStreamErrorKind::TimedOut | CreateStreamErrorKind::JetStreamUnavailable)
+            }
+            _ => false,
+        }
+    }
+}
+
+/// How long [`ensure_stream_patiently`] keeps trying through transient errors.
+pub const STREAM_SETUP_PATIENCE: Duration = Duration::from_secs(60);
+
+/// [`ensure_stream`], tried again (250 ms, doubling to 2 s) through transient errors
+/// ([`StreamSetupError::is_transient`]) for up to `patience`: relays started together against a
+/// cluster that is still electing its leaders wait for it instead of exiting. Each retry is
+/// logged with its cause; the last error is returned when patience runs out.
+pub async fn ensure_stream_patiently(
+    js: &async_nats::jetstream::Context,
+    settings: &StreamSettings,
+    atomic: bool,
+    patience: Duration,
+) -> Result<stream::Info, StreamSetupError> {
+    let deadline = tokio::time::Instant::now() + patience;
+    let mut delay = Duration::from_millis(250);
+    loop {
+        match ensure_stream(js, settings, atomic).await {
+            Err(error) if error.is_transient() && tokio::time::Instant::now() + delay < deadline => {
+                tracing::warn!(stream = %settings.name, error = %handoff_shared::logging::error_chain(&error),
+                    retry_in_ms = delay.as_millis() as u64, "stream setup failed; trying again");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(2));
+            }
+            other => return other,
+        }
+    }
+}
+
 /// How the relay publishes a claimed batch (`--publish-mode`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum PublishMode {
@@ -413,6 +457,21 @@ pub async fn publish_pipelined(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn timeouts_and_a_missing_leader_are_transient_and_an_answer_is_not() {
+        use async_nats::jetstream::context::{
+            CreateStreamError, CreateStreamErrorKind, GetStreamError, GetStreamErrorKind,
+        };
+        let info = |kind| StreamSetupError::Info { name: "S".into(), source: GetStreamError::new(kind) };
+        let create = |kind| StreamSetupError::Create { name: "S".into(), source: CreateStreamError::new(kind) };
+        assert!(info(GetStreamErrorKind::Request).is_transient());
+        assert!(create(CreateStreamErrorKind::TimedOut).is_transient());
+        assert!(create(CreateStreamErrorKind::JetStreamUnavailable).is_transient());
+        assert!(!info(GetStreamErrorKind::InvalidStreamName).is_transient());
+        assert!(!create(CreateStreamErrorKind::InvalidStreamName).is_transient());
+        assert!(!create(CreateStreamErrorKind::Response).is_transient());
+    }
 
     fn settings() -> StreamSettings {
         StreamSettings {

@@ -290,7 +290,8 @@ impl Relay {
             }
             PublishMode::Auto => publisher::prefers_atomic(&version),
         };
-        let info = publisher::ensure_stream(&js, &stream, wants_atomic).await?;
+        let info =
+            publisher::ensure_stream_patiently(&js, &stream, wants_atomic, publisher::STREAM_SETUP_PATIENCE).await?;
         let mode = match (settings.publish_mode, wants_atomic && info.config.allow_atomic_publish) {
             (PublishMode::Pipelined, _) => PublishMode::Pipelined,
             (_, true) => PublishMode::Atomic,

@@ -457,6 +457,8 @@ pub async fn run_migrate(args: &DatabaseArgs, schema: &crate::migrate::Schema, b
         migrated.version,
         if migrated.adopted > 0 {
             format!(" ({} history rows moved from public._sqlx_migrations)", migrated.adopted)
+        } else if migrated.ahead {
+            format!(", ahead of this binary's {}: a newer binary migrated it; nothing applied", schema.latest())
         } else {
             String::new()
         }

@@ -56,6 +56,9 @@ pub struct Migrated {
     pub adopted: u64,
     /// The version the schema is at now.
     pub version: i64,
+    /// The schema is ahead of this binary (a newer one migrated it, as in a rolling upgrade):
+    /// every migration this binary embeds is applied, and nothing was run.
+    pub ahead: bool,
 }
 
 impl Schema {
@@ -88,11 +91,45 @@ impl Schema {
 
     /// Adopts history from `public._sqlx_migrations` (see the module docs), then applies every
     /// pending migration. Safe to run from several processes at once.
+    ///
+    /// A schema ahead of this binary (newer migrations applied, and every one this binary embeds
+    /// applied with the same checksum) is left as it is, as `--migrate never` accepts it: an older
+    /// binary keeps running while a rolling upgrade replaces it. sqlx itself would refuse the
+    /// newer history ("previously applied but missing").
     pub async fn migrate(&self, pool: &PgPool) -> Result<Migrated, MigrateError> {
         let adopted = self.adopt_public_history(pool).await?;
+        if let Some(version) = self.ahead_of_this_binary(pool).await? {
+            tracing::info!(
+                schema = self.name,
+                version,
+                binary_latest = self.latest(),
+                "schema is ahead of this binary (a newer one migrated it); nothing to apply"
+            );
+            return Ok(Migrated { adopted, version, ahead: true });
+        }
         self.migrator.run(pool).await?;
         let version = self.applied(pool).await?.unwrap_or(0);
-        Ok(Migrated { adopted, version })
+        Ok(Migrated { adopted, version, ahead: false })
+    }
+
+    /// The applied version when it is newer than this binary's newest and every embedded
+    /// migration is applied with its checksum; otherwise `None` (the migrator decides, and reports
+    /// any gap or changed migration).
+    async fn ahead_of_this_binary(&self, pool: &PgPool) -> Result<Option<i64>, sqlx::Error> {
+        let Some(applied) = self.applied(pool).await? else { return Ok(None) };
+        if applied <= self.latest() {
+            return Ok(None);
+        }
+        let history: Vec<(i64, Vec<u8>)> =
+            sqlx::query_as(AssertSqlSafe(format!("SELECT version, checksum FROM {} WHERE success", self.table())))
+                .fetch_all(pool)
+                .await?;
+        let history: std::collections::HashMap<i64, Vec<u8>> = history.into_iter().collect();
+        let all_ours = self
+            .migrator
+            .iter()
+            .all(|m| history.get(&m.version).is_some_and(|checksum| checksum.as_slice() == &*m.checksum));
+        Ok(all_ours.then_some(applied))
     }
 
     /// The newest applied migration, or `None` when the schema has no history yet.

@@ -35,6 +35,21 @@ async fn migrate(binary: &str, url: &str) -> handoff_tests::process::CommandOutp
     run_binary(binary, &[("DATABASE_URL", url.to_owned())], &["migrate"], WAIT).await.unwrap()
 }
 
+/// Records one action through the SQL contract and waits until a running relay published it.
+async fn record_one_and_see_it_published(env: &TestEnv, pool: &PgPool) {
+    sqlx::query("SELECT handoff.record_approved_action('harbor:create-followup:v1:case-1', '{\"case_id\": \"case-1\"}', 'user-17')")
+        .execute(pool)
+        .await
+        .unwrap();
+    eventually("published", WAIT, || async {
+        let state: String = sqlx::query_scalar("SELECT state FROM handoff.outbox_delivery").fetch_one(pool).await?;
+        Ok((state == "published").then_some(()))
+    })
+    .await
+    .unwrap();
+    assert_eq!(env.stream_messages().await.unwrap(), 1);
+}
+
 #[tokio::test]
 async fn relay_and_consumer_migrate_into_an_application_database_and_every_migrator_keeps_working() {
     let env = TestEnv::start().await.unwrap();
@@ -59,17 +74,7 @@ async fn relay_and_consumer_migrate_into_an_application_database_and_every_migra
     // A relay that may not migrate starts on the current schema and publishes.
     let _relay =
         env.relay_process_with(&[("DATABASE_URL", url.clone()), ("HANDOFF_MIGRATE", "never".to_owned())]).unwrap();
-    sqlx::query("SELECT handoff.record_approved_action('harbor:create-followup:v1:case-1', '{\"case_id\": \"case-1\"}', 'user-17')")
-        .execute(&pool)
-        .await
-        .unwrap();
-    eventually("published", WAIT, || async {
-        let state: String = sqlx::query_scalar("SELECT state FROM handoff.outbox_delivery").fetch_one(&pool).await?;
-        Ok((state == "published").then_some(()))
-    })
-    .await
-    .unwrap();
-    assert_eq!(env.stream_messages().await.unwrap(), 1);
+    record_one_and_see_it_published(&env, &pool).await;
 }
 
 #[tokio::test]
@@ -239,4 +244,29 @@ async fn the_ledger_upgrade_keeps_rows_and_evidence_and_backfills_their_account(
     .await
     .unwrap_err();
     assert_eq!(sqlstate(&error).as_deref(), Some("23505"), "unique per (account, key)");
+}
+
+#[tokio::test]
+async fn a_binary_older_than_the_schema_starts_on_it_and_applies_nothing_as_in_a_rolling_upgrade() {
+    let env = TestEnv::start().await.unwrap();
+    let url = env.postgres.fresh_database("rolling").await.unwrap();
+    let pool = PgPool::connect(&url).await.unwrap();
+    migrate("handoff-relay", &url).await.expect_code(0).unwrap();
+    // A newer relay migrated further: its migration is in the history, unknown to this binary.
+    sqlx::query(
+        "INSERT INTO handoff._sqlx_migrations (version, description, success, checksum, execution_time)
+         VALUES (29991231000001, 'a newer release', true, '\\x00', 1)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let before = versions(&pool, "handoff._sqlx_migrations").await;
+
+    let out = migrate("handoff-relay", &url).await.expect_code(0).unwrap();
+    assert!(out.stdout.contains("at version 29991231000001, ahead of this binary's"), "{}", out.stdout);
+    assert_eq!(versions(&pool, "handoff._sqlx_migrations").await, before, "nothing applied");
+    // A relay with --migrate auto (the default) starts on it and publishes.
+    let _relay =
+        env.relay_process_with(&[("DATABASE_URL", url.clone()), ("HANDOFF_MIGRATE", "auto".to_owned())]).unwrap();
+    record_one_and_see_it_published(&env, &pool).await;
 }
