@@ -3,6 +3,7 @@
 //! product's figures are divided by these, measured in the same run on the same servers.
 //!
 //! * `publish`: pipelined JetStream publishing with message ids (a window of acks in flight).
+//! * `publish_atomic`: the same messages as atomic batches of 1,000 (ADR-50), a few batches open.
 //! * `claim_mark`: claim 1,000 outbox rows (`FOR UPDATE SKIP LOCKED`, a lease) and mark them, no
 //!   network.
 //! * `inbox_task`: insert 500 inbox rows and 500 task rows in one transaction, no network.
@@ -44,14 +45,14 @@ pub const CONSUME_BATCH: usize = 500;
 const PUBLISH_WINDOW: usize = 4_096;
 
 /// Stream settings as the relay creates them by default (file storage, Limits, DiscardPolicy::New).
-pub fn stream_settings(name: &str, subjects: &Subjects) -> StreamSettings {
+pub fn stream_settings(name: &str, subjects: &Subjects, replicas: usize) -> StreamSettings {
     StreamSettings {
         name: name.to_owned(),
         subjects: subjects.clone(),
         duplicate_window: Duration::from_secs(3600),
         max_age: Duration::from_secs(7 * 24 * 3600),
         max_bytes: -1,
-        replicas: 1,
+        replicas,
         storage: StorageType::File,
     }
 }
@@ -73,7 +74,12 @@ pub struct FilledStream {
 pub async fn publish(world: &mut World, messages: &[(String, Bytes)]) -> Result<(Sample, FilledStream)> {
     let name = world.unique("CEIL");
     let subjects = Subjects::new(name.to_lowercase())?;
-    handoff_relay::publisher::ensure_stream(&world.js, &stream_settings(&name, &subjects), false).await?;
+    handoff_relay::publisher::ensure_stream(
+        &world.js,
+        &stream_settings(&name, &subjects, world.profile.replicas()),
+        false,
+    )
+    .await?;
     let subject = format!("{}.bench.create-followup", subjects.prefix());
     let meter = Meter::start(world, &[]);
     let mut in_flight = FuturesUnordered::new();
@@ -94,6 +100,60 @@ pub async fn publish(world: &mut World, messages: &[(String, Bytes)]) -> Result<
     let stored = world.stream_messages(&name).await?;
     ensure!(stored == messages.len() as u64, "publish ceiling stored {stored} of {} messages", messages.len());
     Ok((sample, FilledStream { name, subjects, messages: stored }))
+}
+
+/// Messages per batch in the atomic publish ceiling: the relay's claim and the server's limit.
+pub const ATOMIC_BATCH: usize = 1_000;
+
+/// The bare atomic-batch loop (ADR-50): batches of [`ATOMIC_BATCH`] messages with message ids,
+/// messages 1..n-1 as core publishes with the batch headers and no reply, the last with the commit
+/// header through JetStream; `in_flight` batches open at once (as many relays as the relay rows
+/// run, each holding one claimed batch). Nothing else: no database, no envelope work.
+pub async fn publish_atomic(
+    world: &mut World,
+    messages: &[(String, Bytes)],
+    in_flight: usize,
+) -> Result<(Sample, String)> {
+    use async_nats::header::{NATS_BATCH_COMMIT, NATS_BATCH_COMMIT_FINAL, NATS_BATCH_ID, NATS_BATCH_SEQUENCE};
+    let name = world.unique("ATOM");
+    let subjects = Subjects::new(name.to_lowercase())?;
+    let settings = stream_settings(&name, &subjects, world.profile.replicas());
+    let info = handoff_relay::publisher::ensure_stream(&world.js, &settings, true).await?;
+    ensure!(info.config.allow_atomic_publish, "stream {name} does not allow atomic batches (server too old?)");
+    let subject = format!("{}.bench.create-followup", subjects.prefix());
+    let meter = Meter::start(world, &[]);
+    let mut commits = FuturesUnordered::new();
+    for (n, chunk) in messages.chunks(ATOMIC_BATCH).enumerate() {
+        let batch_id = format!("{name}-{n}");
+        let (last, rest) = chunk.split_last().context("an empty chunk")?;
+        for (i, (key, body)) in rest.iter().enumerate() {
+            let mut h = async_nats::HeaderMap::new();
+            h.insert(headers::MSG_ID, key.as_str());
+            h.insert(headers::CONTENT_TYPE, headers::CLOUDEVENTS_JSON);
+            h.insert(NATS_BATCH_ID, batch_id.as_str());
+            h.insert(NATS_BATCH_SEQUENCE, (i + 1).to_string().as_str());
+            world.client.publish_with_headers(subject.clone(), h, body.clone()).await?;
+        }
+        let commit = PublishMessage::build()
+            .payload(last.1.clone())
+            .header(headers::CONTENT_TYPE, headers::CLOUDEVENTS_JSON)
+            .header(NATS_BATCH_ID, batch_id.as_str())
+            .header(NATS_BATCH_SEQUENCE, chunk.len().to_string().as_str())
+            .header(NATS_BATCH_COMMIT, NATS_BATCH_COMMIT_FINAL)
+            .message_id(&last.0);
+        commits.push(world.js.send_publish(subject.clone(), commit).await?.into_future());
+        if commits.len() >= in_flight {
+            let ack = commits.next().await.context("a commit in flight")??;
+            ensure!(ack.batch_size.is_some(), "a commit answered without a batch: {ack:?}");
+        }
+    }
+    while let Some(ack) = commits.next().await {
+        ensure!(ack?.batch_size.is_some(), "a commit answered without a batch");
+    }
+    let sample = meter.finish(world, &[], messages.len() as u64);
+    let stored = world.stream_messages(&name).await?;
+    ensure!(stored == messages.len() as u64, "atomic publish ceiling stored {stored} of {} messages", messages.len());
+    Ok((sample, name))
 }
 
 const BARE_SCHEMA: &str = r#"
@@ -265,11 +325,16 @@ async fn insert_inbox_and_tasks<'a>(
 pub async fn relay(world: &mut World, pool: &PgPool, n: i64, workers: usize) -> Result<Sample> {
     let name = world.unique("BRELAY");
     let subjects = Subjects::new(name.to_lowercase())?;
-    handoff_relay::publisher::ensure_stream(&world.js, &stream_settings(&name, &subjects), false).await?;
+    handoff_relay::publisher::ensure_stream(
+        &world.js,
+        &stream_settings(&name, &subjects, world.profile.replicas()),
+        false,
+    )
+    .await?;
     let subject = format!("{}.bench.create-followup", subjects.prefix());
     let mut clients = Vec::new();
     for _ in 0..workers {
-        clients.push(async_nats::connect(world.nats.url()).await?);
+        clients.push(async_nats::connect(world.nats.addrs()).await?);
     }
     let meter = Meter::start(world, &[]);
     let mut loops = JoinSet::new();
@@ -342,7 +407,7 @@ pub async fn consumer(
     let finished = CancellationToken::new();
     let mut consumers = Vec::new();
     for _ in 0..workers {
-        let client = async_nats::connect(world.nats.url()).await?;
+        let client = async_nats::connect(world.nats.addrs()).await?;
         let js = async_nats::jetstream::new(client);
         let consumer: async_nats::jetstream::consumer::PullConsumer =
             js.get_consumer_from_stream(&durable, &source.name).await?;
@@ -404,7 +469,12 @@ pub async fn consumer(
 pub async fn round_trip(world: &mut World, samples: usize) -> Result<Vec<f64>> {
     let name = world.unique("RTT");
     let subjects = Subjects::new(name.to_lowercase())?;
-    let stream = handoff_relay::publisher::ensure_stream(&world.js, &stream_settings(&name, &subjects), false).await?;
+    let stream = handoff_relay::publisher::ensure_stream(
+        &world.js,
+        &stream_settings(&name, &subjects, world.profile.replicas()),
+        false,
+    )
+    .await?;
     let stream = world.js.get_stream(&stream.config.name).await?;
     let consumer = stream
         .create_consumer(pull::Config {

@@ -52,9 +52,9 @@ pub struct BenchArgs {
     /// Backlog size of the drain measurements (relay, consumer, ceilings, end-to-end maximum).
     #[arg(long, default_value_t = 100_000)]
     pub actions: i64,
-    /// Backlog size in the durable profile (the broker fsyncs before every PubAck, so it moves
-    /// an order of magnitude fewer messages per second).
-    #[arg(long, default_value_t = 20_000)]
+    /// Backlog size in the profiles after the first (`durable`, `cluster`: their headline rows,
+    /// including a pipelined relay drain, which a durable broker fsyncs message by message).
+    #[arg(long, default_value_t = 50_000)]
     pub durable_actions: i64,
     /// Repetitions of every measurement (figures are min / median / max over them).
     #[arg(long, default_value_t = 3)]
@@ -84,9 +84,10 @@ pub struct BenchArgs {
     /// Backlog sizes at which the claim is timed and explained (ascending; empty to skip).
     #[arg(long, default_value = "10000,100000,1000000", value_parser = parse_backlogs)]
     pub plan_backlogs: Backlogs,
-    /// Broker profiles: `default` (sync_interval 2 min) and `durable` (sync_interval always;
-    /// headline rows only).
-    #[arg(long, value_delimiter = ',', default_value = "default,durable")]
+    /// Broker profiles: `default` (one server, sync_interval 2 min), `durable` (one server,
+    /// sync_interval always) and `cluster` (three nodes, sync_interval always, R3 streams); the
+    /// first runs every row, the others the headline rows.
+    #[arg(long, value_delimiter = ',', default_value = "default,durable,cluster")]
     pub profiles: Vec<String>,
     /// Also run the retention soak with this many actions (e.g. 1000000); 0 = no soak.
     #[arg(long, default_value_t = 0)]
@@ -191,11 +192,7 @@ pub async fn run(args: BenchArgs) -> Result<Report> {
     };
     let mut postgres = None;
     for (i, name) in args.profiles.iter().enumerate() {
-        let profile = match name.as_str() {
-            "default" => Profile::Default,
-            "durable" => Profile::Durable,
-            other => anyhow::bail!("unknown profile {other:?} (default, durable)"),
-        };
+        let profile = Profile::parse(name)?;
         let mut world = match postgres.take() {
             None => World::start(profile, args.shared_postgres).await?,
             Some(pg) => World::with_postgres(pg, profile).await?,
@@ -408,6 +405,28 @@ async fn profile_rows(world: &mut World, args: &BenchArgs, full: bool, report: &
     );
     report.rows.push(publish_row);
 
+    // The atomic-batch ceiling, with as many batches open as the middle relay row runs relays.
+    let open_batches = middle(&relay_counts);
+    let atomic_messages = ceilings::envelopes("a", n, &world.keys.signing)?;
+    let atomic = repeat(runs, "atomic publish ceiling", async || {
+        let (sample, stream) = ceilings::publish_atomic(world, &atomic_messages, open_batches).await?;
+        world.drop_stream(&stream).await;
+        Ok(sample)
+    })
+    .await?;
+    drop(atomic_messages);
+    let atomic_row = throughput_row(
+        p,
+        "ceiling",
+        &format!("publish_atomic/open={open_batches}"),
+        format!("ceiling: JetStream atomic batches of {}, {open_batches} open, msg ids", ceilings::ATOMIC_BATCH),
+        "msg/s",
+        &atomic,
+    )
+    .param("open_batches", open_batches)
+    .param("batch", ceilings::ATOMIC_BATCH);
+    report.rows.push(atomic_row.clone());
+
     let ceilings = args.runs_section("ceilings");
     if full && ceilings {
         let samples = repeat(runs, "claim+mark ceiling", async || {
@@ -567,10 +586,51 @@ async fn profile_rows(world: &mut World, args: &BenchArgs, full: bool, report: &
         row.target("no message stored twice", checks.iter().all(|c| c.stream_messages == n as u64));
         rss_target(&mut row, "relay", n);
         scaling_target(&mut row, &mut previous);
+        if relays == open_batches {
+            // The relay's default mode (auto) publishes atomic batches where the server allows them.
+            let ratio = row.value.median / atomic_row.value.median;
+            row.check("vs_atomic_ceiling", ratio);
+            row.target(">= 0.9x the bare atomic-batch loop", ratio >= 0.9);
+        }
         if row.value.median >= 55_000.0 {
             row.note = Some("stretch target (>= 55k rows/s) met".into());
         }
         relay_rows.insert(relays, row.clone());
+        report.rows.push(row);
+    }
+
+    // The same drain publishing message by message (`--publish-mode pipelined`), against the
+    // pipelined ceilings: what atomic batches buy in this profile.
+    if args.runs_section("relay") {
+        let relays = open_batches;
+        world.relay_extra.push(("HANDOFF_PUBLISH_MODE".into(), "pipelined".into()));
+        let mut checks = Vec::new();
+        let samples = repeat(runs, &format!("relay x{relays}, pipelined"), async || {
+            let (sample, c) = system::relay_drain(world, n, relays, 1, false).await?;
+            checks.push(c);
+            Ok(sample)
+        })
+        .await;
+        world.relay_extra.pop();
+        let samples = samples?;
+        let mut row = throughput_row(
+            p,
+            "relay",
+            &format!("relays={relays}/pipelined"),
+            format!("relay: {relays} process(es) x 1 worker, pipelined, {n} backlog"),
+            "rows/s",
+            &samples,
+        )
+        .param("relays", relays)
+        .param("publish_mode", "pipelined")
+        .param("backlog", n);
+        if let Some(ceiling) = bare_relay.get(&relays) {
+            row = row.against(ceiling);
+        }
+        if let Some(atomic) = relay_rows.get(&relays) {
+            row.check("atomic_over_pipelined", atomic.value.median / row.value.median);
+        }
+        row.target("no message stored twice", checks.iter().all(|c| c.stream_messages == n as u64));
         report.rows.push(row);
     }
 
@@ -833,7 +893,21 @@ async fn e2e_rows(world: &mut World, args: &BenchArgs, full: bool, rtt: &Row, re
             .param("relays", relays)
             .param("replicas", replicas)
             .param("backlog", n);
-    max_row.target(">= 10k actions/s", max_row.value.median >= 10_000.0);
+    if p != Profile::Cluster {
+        max_row.target(">= 10k actions/s", max_row.value.median >= 10_000.0);
+    }
+    // The durable profiles against the default one of this run.
+    let at_least = match p {
+        Profile::Default => None,
+        Profile::Durable => Some(0.75),
+        Profile::Cluster => Some(0.6),
+    };
+    let default_max = report.rows.iter().find(|r| r.id == "default/e2e/max").map(|r| r.value.median);
+    if let (Some(at_least), Some(default_max)) = (at_least, default_max) {
+        let ratio = max_row.value.median / default_max;
+        max_row.check("vs_default_profile", ratio);
+        max_row.target(format!(">= {at_least}x the default profile's end to end"), ratio >= at_least);
+    }
     let max = max_row.value.median;
     report.rows.push(max_row);
 

@@ -7,8 +7,9 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use handoff_shared::Subjects;
+use handoff_testkit::cluster::NatsCluster;
 use handoff_tests::containers::{NATS_DEFAULT_ARGS, NATS_DURABLE_ARGS, Storage};
-use handoff_tests::{Nats, Postgres, ServiceProcess};
+use handoff_tests::{Broker, Nats, Postgres, ServiceProcess};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, ConnectOptions, PgPool};
 
@@ -63,13 +64,35 @@ pub enum Profile {
     Default,
     /// `/etc/nats/durable.conf`: `sync_interval: always`, an fsync before every acknowledgement.
     Durable,
+    /// Three routed nodes with `durable.conf`, streams with 3 replicas: the production shape.
+    Cluster,
 }
 
 impl Profile {
+    pub const NAMES: [&str; 3] = ["default", "durable", "cluster"];
+
     pub fn name(self) -> &'static str {
         match self {
             Self::Default => "default",
             Self::Durable => "durable",
+            Self::Cluster => "cluster",
+        }
+    }
+
+    pub fn parse(name: &str) -> Result<Self> {
+        Ok(match name {
+            "default" => Self::Default,
+            "durable" => Self::Durable,
+            "cluster" => Self::Cluster,
+            other => bail!("unknown profile {other:?} ({})", Self::NAMES.join(", ")),
+        })
+    }
+
+    /// Stream replicas in this profile.
+    pub fn replicas(self) -> usize {
+        match self {
+            Self::Default | Self::Durable => 1,
+            Self::Cluster => handoff_testkit::cluster::CLUSTER_NODES,
         }
     }
 }
@@ -104,7 +127,7 @@ impl Servers {
 #[derive(Debug)]
 pub struct World {
     pub postgres: Servers,
-    pub nats: Nats,
+    pub nats: Broker,
     pub profile: Profile,
     pub client: async_nats::Client,
     pub js: async_nats::jetstream::Context,
@@ -124,11 +147,13 @@ impl World {
 
     /// Starts a NATS server for `profile` next to existing Postgres servers.
     pub async fn with_postgres(postgres: Servers, profile: Profile) -> Result<Self> {
+        // Stores on volumes: the host's fsync, not the storage driver's.
         let nats = match profile {
-            Profile::Default => Nats::start_with(&NATS_DEFAULT_ARGS, Storage::Volume).await?,
-            Profile::Durable => Nats::start_with(&NATS_DURABLE_ARGS, Storage::Volume).await?,
+            Profile::Default => Broker::Single(Box::new(Nats::start_with(&NATS_DEFAULT_ARGS, Storage::Volume).await?)),
+            Profile::Durable => Broker::Single(Box::new(Nats::start_with(&NATS_DURABLE_ARGS, Storage::Volume).await?)),
+            Profile::Cluster => Broker::Cluster(NatsCluster::start_durable_on(Storage::Volume).await?),
         };
-        let client = async_nats::connect(nats.url()).await?;
+        let client = async_nats::connect(nats.addrs()).await?;
         let js = async_nats::jetstream::new(client.clone());
         Ok(Self {
             postgres,
@@ -209,16 +234,20 @@ impl World {
         Ok(consumer.get_info().await?)
     }
 
-    /// CPU seconds used so far by the Postgres containers (together) and the NATS container.
+    /// CPU seconds used so far by the Postgres containers (together) and the NATS containers
+    /// (together: all three nodes of a cluster).
     pub fn servers_cpu(&self) -> (Option<f64>, Option<f64>) {
         let pg = self.postgres.all().map(|p| container_cpu_seconds(p.container().id())).sum();
-        (pg, container_cpu_seconds(self.nats.container().id()))
+        let nats = self.nats.servers().into_iter().map(|n| container_cpu_seconds(n.container().id())).sum();
+        (pg, nats)
     }
 
-    /// Peak memory of the Postgres containers (the larger) and the NATS container, MiB.
+    /// Peak memory of the Postgres containers and of the NATS containers (the larger of each), MiB.
     pub fn servers_peak_mib(&self) -> (Option<f64>, Option<f64>) {
         let pg = self.postgres.all().filter_map(|p| container_peak_mib(p.container().id())).reduce(f64::max);
-        (pg, container_peak_mib(self.nats.container().id()))
+        let nats =
+            self.nats.servers().into_iter().filter_map(|n| container_peak_mib(n.container().id())).reduce(f64::max);
+        (pg, nats)
     }
 
     /// Environment for a real `handoff-relay` against `db`, `stream` and `subjects`. Everything
@@ -259,6 +288,7 @@ impl World {
         [
             ("DATABASE_URL", db.url.clone()),
             ("NATS_URL", self.nats.url()),
+            ("HANDOFF_STREAM_REPLICAS", self.profile.replicas().to_string()),
             ("HANDOFF_STREAM", stream.to_owned()),
             ("HANDOFF_SUBJECT_PREFIX", subjects.prefix().to_owned()),
             // Several processes on one host: the endpoint is off unless a row turns it on

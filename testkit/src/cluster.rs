@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
-use crate::containers::{DEFAULT_NATS_IMAGE, NATS_DATA, Nats, Placement, image_from_env};
+use crate::containers::{DEFAULT_NATS_IMAGE, NATS_DATA, Nats, Placement, Storage, image_from_env};
 
 /// Nodes in a [`NatsCluster`].
 pub const CLUSTER_NODES: usize = 3;
@@ -39,15 +39,21 @@ pub struct ClusterNode {
 impl NatsCluster {
     /// Starts three nodes with `sync_interval: always` and waits until JetStream answers.
     pub async fn start() -> Result<Self> {
-        Self::start_with(&["-c", "/etc/nats/durable.conf"]).await
+        Self::start_durable_on(Storage::Layer).await
+    }
+
+    /// Starts three durable nodes (as [`NatsCluster::start`]) with their stores where `storage`
+    /// says: the benchmark puts them on volumes, to measure the host's fsync.
+    pub async fn start_durable_on(storage: Storage) -> Result<Self> {
+        Self::start_with(&["-c", "/etc/nats/durable.conf"], storage).await
     }
 
     /// Starts three nodes with JetStream's default `sync_interval` (2 minutes).
     pub async fn start_with_default_sync() -> Result<Self> {
-        Self::start_with(&["-js", "--store_dir", NATS_DATA]).await
+        Self::start_with(&["-js", "--store_dir", NATS_DATA], Storage::Layer).await
     }
 
-    async fn start_with(base: &[&str]) -> Result<Self> {
+    async fn start_with(base: &[&str], storage: Storage) -> Result<Self> {
         let id = format!(
             "{:08x}",
             std::hash::BuildHasher::hash_one(&std::hash::RandomState::new(), std::process::id()) as u32
@@ -80,7 +86,7 @@ impl NatsCluster {
             let image = image.clone();
             async move {
                 let args: Vec<&str> = args.iter().map(String::as_str).collect();
-                let nats = Nats::start_on_network(image, &args, &placement)
+                let nats = Nats::start_on_network(image, &args, storage, &placement)
                     .await
                     .with_context(|| format!("starting cluster node {name}"))?;
                 anyhow::Ok(ClusterNode { name, nats })

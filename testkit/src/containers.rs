@@ -259,8 +259,13 @@ impl Nats {
     /// Starts a node of a cluster: `image_ref` with `args`, named `placement.container` on the
     /// Docker network `placement.network` (created if it does not exist yet), where the other
     /// nodes reach it by that name.
-    pub(crate) async fn start_on_network(image_ref: String, args: &[&str], placement: &Placement) -> Result<Self> {
-        Self::start_placed(image_ref, args, Storage::Layer, None, Some(placement)).await
+    pub(crate) async fn start_on_network(
+        image_ref: String,
+        args: &[&str],
+        storage: Storage,
+        placement: &Placement,
+    ) -> Result<Self> {
+        Self::start_placed(image_ref, args, storage, None, Some(placement)).await
     }
 
     async fn start_placed(
