@@ -414,7 +414,10 @@ impl Relay {
 
         let acks = match self.mode {
             _ if outgoing.is_empty() => Vec::new(),
-            PublishMode::Atomic => {
+            PublishMode::Atomic
+                if self.settings.publish_mode != PublishMode::Auto
+                    || outgoing.len() >= publisher::AUTO_ATOMIC_MIN_ROWS =>
+            {
                 let n = self.batch_counter.fetch_add(1, Ordering::Relaxed);
                 let atomic = publisher::publish_atomic(&self.js, &format!("{}-{n}", self.owner), outgoing).await;
                 self.metrics.atomic_batches.inc_by(atomic.committed);

@@ -127,6 +127,23 @@ async fn pipelined_mode_leaves_the_stream_without_atomic_batches_and_still_publi
 }
 
 #[tokio::test]
+async fn auto_sends_a_small_claim_pipelined_and_a_full_one_as_an_atomic_batch() {
+    let env = TestEnv::start().await.unwrap();
+    let relay = env.relay(RelaySettings { publish_mode: PublishMode::Auto, ..env.relay_settings() }).await.unwrap();
+    assert_eq!(relay.publish_mode(), PublishMode::Atomic, "2.15 allows atomic batches");
+    let small = publisher::AUTO_ATOMIC_MIN_ROWS as i64 - 1;
+    env.approve_many_via_sql(1, small).await.unwrap();
+    assert_eq!(relay.publish_batch().await.unwrap().published, small as usize);
+    assert_eq!(relay.metrics().atomic_batches.get(), 0, "a claim of {small} rows went out pipelined");
+
+    env.approve_many_via_sql(small + 1, 1_000).await.unwrap();
+    assert_eq!(relay.publish_batch().await.unwrap().published, 1_000);
+    assert_eq!(relay.metrics().atomic_batches.get(), 1, "a full claim is one atomic batch");
+    assert_eq!(env.stream_messages().await.unwrap(), small as u64 + 1_000);
+    assert_eq!(env.published_sequences_match_the_stream().await.unwrap(), small as usize + 1_000);
+}
+
+#[tokio::test]
 async fn on_a_server_before_2_15_auto_publishes_pipelined_and_atomic_still_works() {
     let env = TestEnv::start().await.unwrap();
     let image = std::env::var("HANDOFF_NATS_OLD_IMAGE").unwrap_or_else(|_| "handoff-test/nats:2.14.6".into());
