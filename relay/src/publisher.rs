@@ -202,7 +202,16 @@ impl StreamSetupError {
 /// How long [`ensure_stream_patiently`] keeps trying through transient errors.
 pub const STREAM_SETUP_PATIENCE: Duration = Duration::from_secs(60);
 
-/// [`ensure_stream`], tried again (250 ms, doubling to 2 s) through transient errors
+/// The delays between stream setup attempts: 250 ms doubling to 2 s, half jittered, so relays
+/// started together do not ask in lock-step.
+const STREAM_SETUP_BACKOFF: handoff_shared::Backoff = handoff_shared::Backoff {
+    initial: Duration::from_millis(250),
+    max: Duration::from_secs(2),
+    multiplier: 2.0,
+    jitter: 0.5,
+};
+
+/// [`ensure_stream`], tried again ([`STREAM_SETUP_BACKOFF`]) through transient errors
 /// ([`StreamSetupError::is_transient`]) for up to `patience`: relays started together against a
 /// cluster that is still electing its leaders wait for it instead of exiting. Each retry is
 /// logged with its cause; the last error is returned when patience runs out.
@@ -213,14 +222,15 @@ pub async fn ensure_stream_patiently(
     patience: Duration,
 ) -> Result<stream::Info, StreamSetupError> {
     let deadline = tokio::time::Instant::now() + patience;
-    let mut delay = Duration::from_millis(250);
+    let mut attempt = 0;
     loop {
+        attempt += 1;
+        let delay = STREAM_SETUP_BACKOFF.delay(attempt);
         match ensure_stream(js, settings, atomic).await {
             Err(error) if error.is_transient() && tokio::time::Instant::now() + delay < deadline => {
                 tracing::warn!(stream = %settings.name, error = %handoff_shared::logging::error_chain(&error),
                     retry_in_ms = delay.as_millis() as u64, "stream setup failed; trying again");
                 tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(Duration::from_secs(2));
             }
             other => return other,
         }
