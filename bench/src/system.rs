@@ -184,7 +184,7 @@ pub async fn consumer_drain(
         services.push(Service::spawn("consumer", "handoff-consumer", &env)?);
     }
     let total = source.messages;
-    let sample = drain_durable(world, &mut services, &durable, source, async || Ok(true)).await?;
+    let sample = drain_durable(world, &mut services, &durable, source, &db.pool, async || Ok(true)).await?;
     let counts: (i64, i64, i64) = sqlx::query_as(
         "SELECT (SELECT count(*) FROM handoff_consumer.crm_task),
                 (SELECT count(DISTINCT operation_key) FROM handoff_consumer.crm_task),
@@ -389,36 +389,65 @@ pub async fn e2e_load(
 
 /// Waits until `services` have acked all of `source` on `durable` and `done` says the rest of the
 /// work is over; the clock runs from the first delivery (process start-up is not throughput).
+///
+/// The first delivery is seen in the durable's info, or, while the JetStream API does not answer
+/// (a busy R3 cluster can time out info requests for seconds, which once started this clock only
+/// after the drain was over), in `db`: the consumer's first inbox row.
 async fn drain_durable(
     world: &World,
     services: &mut [Service],
     durable: &str,
     source: &FilledStream,
+    db: &sqlx::PgPool,
     mut done: impl AsyncFnMut() -> Result<bool>,
 ) -> Result<Sample> {
     let started = Instant::now();
     let mut meter = None;
+    let (mut failed_infos, mut last_error) = (0u64, None);
     loop {
         if started.elapsed() > STUCK {
-            bail!("consumers stuck after {STUCK:?}");
+            bail!(
+                "consumers stuck after {STUCK:?} ({failed_infos} consumer info requests failed, last: {last_error:?})"
+            );
         }
         for s in services.iter_mut() {
             s.ensure_running()?;
         }
-        let Ok(info) = world.consumer_info(durable, &source.name).await else {
-            // Not created yet: the first replica creates the durable when it starts.
-            tokio::time::sleep(POLL).await;
-            continue;
-        };
-        if meter.is_none() && info.delivered.stream_sequence > 0 {
-            meter = Some(Meter::start(world, services));
+        let info = world.consumer_info(durable, &source.name).await;
+        if meter.is_none() {
+            let delivered = match &info {
+                Ok(info) => info.delivered.stream_sequence > 0,
+                Err(_) => {
+                    sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM handoff_consumer.inbox)").fetch_one(db).await?
+                }
+            };
+            if delivered {
+                meter = Some(Meter::start(world, services));
+            }
         }
+        let info = match info {
+            Ok(info) => info,
+            Err(error) => {
+                // Not created yet (the first replica creates the durable when it starts), or the
+                // API is busy: look again.
+                failed_infos += 1;
+                last_error = Some(format!("{error:#}"));
+                tokio::time::sleep(POLL).await;
+                continue;
+            }
+        };
         let acked =
             info.ack_floor.stream_sequence >= source.messages && info.num_pending == 0 && info.num_ack_pending == 0;
         if acked && done().await? {
             break;
         }
         tokio::time::sleep(POLL).await;
+    }
+    if failed_infos > 0 {
+        eprintln!(
+            "   ({failed_infos} consumer info requests failed during the drain; last: {})",
+            last_error.unwrap_or_default()
+        );
     }
     let meter = meter.context("everything was done before the first poll saw a delivery")?;
     Ok(meter.finish(world, services, source.messages))
@@ -537,6 +566,8 @@ pub async fn remote_drain(
         ]
         .map(|(k, v)| (k.to_owned(), v)),
     );
+    // `--consumer-env HANDOFF_CRM_...` still applies (the last value of a variable wins).
+    env.extend(world.consumer_extra.iter().filter(|(k, _)| k.starts_with("HANDOFF_CRM_")).cloned());
     let mut services = vec![sim];
     // Each replica's endpoint is read once, after the drain: its call-duration histogram says how
     // long the CRM took to answer in this run, so the row shows how busy the slots were.
@@ -574,7 +605,7 @@ pub async fn remote_drain(
         sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_stat_statements").execute(&db.pool).await?;
         sqlx::query("SELECT pg_stat_statements_reset()").execute(&db.pool).await?;
     }
-    let sample = drain_durable(world, &mut services, &durable, source, all_settled).await?;
+    let sample = drain_durable(world, &mut services, &durable, source, &db.pool, all_settled).await?;
     if profiled {
         print_statement_profile(&db.pool, source.messages).await?;
     }

@@ -13,7 +13,7 @@ use handoff_shared::observe::HttpAddr;
 use handoff_shared::signing::SignaturePolicy;
 use handoff_shared::subject::Subjects;
 
-use crate::remote::dispatcher::DispatchSettings;
+use crate::remote::dispatcher::{DispatchSettings, LEASE_MARGIN, MIN_HOLD};
 use crate::remote::{Adapter, Capability, HttpSettings, NonExecution, RecordMapping, RemoteCrm};
 use crate::{ConsumerSettings, SubscriptionSettings};
 
@@ -111,9 +111,6 @@ pub struct ConsumerConfig {
     #[arg(long, env = "HANDOFF_DRY_RUN", default_value_t = false)]
     pub dry_run: bool,
 }
-
-/// Seconds a CRM lease must exceed the request timeout by.
-pub const LEASE_MARGIN_SECS: f64 = 5.0;
 
 /// Where tasks are created.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -242,6 +239,15 @@ pub struct CrmArgs {
         value_parser = clap::value_parser!(i64).range(1..=4096)
     )]
     pub in_flight: i64,
+    /// Rows each replica claims ahead of a free call slot, so the next call starts as soon as one
+    /// ends; by default as many as --crm-in-flight (none when the lease leaves under 1 s to wait),
+    /// 0 turns it off.
+    #[arg(
+        long = "crm-claim-ahead",
+        env = "HANDOFF_CRM_CLAIM_AHEAD",
+        value_parser = clap::value_parser!(i64).range(0..=4096)
+    )]
+    pub claim_ahead: Option<i64>,
     /// Create attempts before an action goes to review.
     #[arg(
         long = "crm-max-attempts",
@@ -355,9 +361,19 @@ impl CrmArgs {
         let timeout = Duration::from_millis(self.timeout_ms);
         // The lease covers the claim, the call and recording the decision: the timeout plus margin.
         anyhow::ensure!(
-            self.lease_secs.is_finite() && self.lease_secs >= timeout.as_secs_f64() + LEASE_MARGIN_SECS,
-            "--crm-lease-secs must be at least --crm-timeout-ms plus {LEASE_MARGIN_SECS}s, or a live call could be taken over"
+            self.lease_secs.is_finite() && self.lease_secs >= (timeout + LEASE_MARGIN).as_secs_f64(),
+            "--crm-lease-secs must be at least --crm-timeout-ms plus {}s, or a live call could be taken over",
+            LEASE_MARGIN.as_secs()
         );
+        let settings = self.dispatch_settings();
+        if self.claim_ahead.is_some_and(|n| n > 0) {
+            anyhow::ensure!(
+                settings.hold_limit() >= MIN_HOLD,
+                "--crm-claim-ahead needs --crm-lease-secs at least --crm-timeout-ms plus {}s: a row claimed ahead \
+                 must be able to wait for a slot and still end its call within the lease (set it to 0, or lengthen the lease)",
+                (LEASE_MARGIN + MIN_HOLD).as_secs()
+            );
+        }
         Ok(HttpSettings {
             base_url: self.url.clone().ok_or_else(|| anyhow::anyhow!("--crm-url is required with --crm http"))?,
             token: self.token.clone(),
@@ -372,7 +388,9 @@ impl CrmArgs {
     pub fn dispatch_settings(&self) -> DispatchSettings {
         DispatchSettings {
             in_flight: self.in_flight,
+            claim_ahead: self.claim_ahead.unwrap_or(self.in_flight),
             lease: Duration::from_secs_f64(self.lease_secs),
+            call_timeout: Duration::from_millis(self.timeout_ms),
             max_attempts: self.max_attempts,
             readback_interval: Duration::from_millis(self.readback_interval_ms),
             readback_window: Duration::from_secs(self.readback_window_secs),
@@ -390,6 +408,11 @@ impl ConsumerConfig {
             !self.dry_run || self.crm.mode == CrmMode::Http,
             "--dry-run (HANDOFF_DRY_RUN) needs --crm http: with the local CRM, recording intake is creating the task"
         );
+        if self.crm.mode == CrmMode::Http {
+            // Before any connection is made: the URL, the lease against the timeout, the mapping.
+            self.crm.http_settings()?;
+            self.crm.mapping()?;
+        }
         Ok(())
     }
 
@@ -502,6 +525,28 @@ mod tests {
         ]))
         .unwrap();
         assert!(config.crm.http_settings().is_err());
+    }
+
+    #[test]
+    fn claim_ahead_defaults_to_the_calls_in_flight_and_needs_a_lease_with_room_to_wait() {
+        let base =
+            ["handoff-consumer", "--database-url", "postgres://db/x", "--crm", "http", "--crm-url", "http://crm"];
+        let parse = |extra: &[&str]| ConsumerConfig::try_parse_from(base.iter().chain(extra)).unwrap().crm;
+        // Default: lease 60 s, timeout 10 s: a held row may wait 45 s.
+        let crm = parse(&["--crm-in-flight", "8"]);
+        assert!(crm.http_settings().is_ok());
+        let settings = crm.dispatch_settings();
+        assert_eq!((settings.claim_ahead, settings.effective_claim_ahead()), (8, 8));
+        assert_eq!(settings.hold_limit(), Duration::from_secs(45));
+        // The shortest lease allowed leaves no time to wait: claiming ahead turns itself off...
+        let crm = parse(&["--crm-lease-secs", "15"]);
+        assert!(crm.http_settings().is_ok());
+        assert_eq!(crm.dispatch_settings().effective_claim_ahead(), 0);
+        // ...and asking for it explicitly with such a lease is refused, naming both settings.
+        let error = parse(&["--crm-lease-secs", "15", "--crm-claim-ahead", "4"]).http_settings().unwrap_err();
+        assert!(error.to_string().contains("--crm-claim-ahead needs --crm-lease-secs"), "{error}");
+        assert!(parse(&["--crm-lease-secs", "15", "--crm-claim-ahead", "0"]).http_settings().is_ok());
+        assert_eq!(parse(&["--crm-claim-ahead", "0"]).dispatch_settings().effective_claim_ahead(), 0);
     }
 
     #[test]

@@ -112,7 +112,10 @@ impl TestEnv {
     pub fn dispatch_settings(&self) -> DispatchSettings {
         DispatchSettings {
             in_flight: 16,
+            // Off: tests that want rows claimed ahead ask for them (with a lease long enough).
+            claim_ahead: 0,
             lease: Duration::from_secs(5),
+            call_timeout: Duration::from_millis(500),
             max_attempts: 5,
             backoff: handoff_shared::Backoff {
                 initial: Duration::ZERO,

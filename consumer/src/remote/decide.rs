@@ -264,6 +264,7 @@ mod tests {
             unknown_since: Some(now),
             db_now: now,
             traceparent: None,
+            before: Default::default(),
         }
     }
 

@@ -11,6 +11,7 @@
 //! The dispatcher is generic over the adapter ([`RemoteCrm`]): it claims, calls, and records
 //! what [`decide`](super::decide) makes of each answer, whichever destination it talks to.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -33,13 +34,31 @@ use crate::metrics::{CallLabel, CallLabels, ConsumerMetrics};
 /// The channel new ledger rows signal on.
 pub const NOTIFY_CHANNEL: &str = "handoff_dispatch";
 
+/// How much longer than the longest call a lease must be: it covers the claim before the call and
+/// recording the decision after it (and, for a row claimed ahead, nothing else: see
+/// [`DispatchSettings::hold_limit`]).
+pub const LEASE_MARGIN: Duration = Duration::from_secs(5);
+
+/// The shortest time a row claimed ahead may wait for a slot; a lease leaving less than this does
+/// not claim ahead.
+pub const MIN_HOLD: Duration = Duration::from_secs(1);
+
 /// How the dispatcher retries, reads back and gives up.
 #[derive(Debug, Clone)]
 pub struct DispatchSettings {
-    /// Rows claimed at once = CRM calls in flight per replica.
+    /// CRM calls in flight per replica.
     pub in_flight: i64,
-    /// Lease on a claimed row; must exceed the HTTP timeout so a live call is never taken over.
+    /// Rows claimed ahead of a free slot, so a slot whose call ends starts the next call at once
+    /// instead of waiting for a claim's commit. Their claim is durable (the attempt is counted
+    /// before the call, as for any claim); a stopping dispatcher releases the ones it never sent
+    /// ([`ledger::release_unsent`]), and a replica that dies holding some leaves leases the next
+    /// claimer reads back, like any call in flight. 0 claims only for free slots.
+    pub claim_ahead: i64,
+    /// Lease on a claimed row; must exceed `call_timeout` by [`LEASE_MARGIN`] so a live call is
+    /// never taken over.
     pub lease: Duration,
+    /// The longest one CRM call may take (the adapter's request timeout).
+    pub call_timeout: Duration,
     /// Create attempts before a row goes to review.
     pub max_attempts: i32,
     /// Delay before retrying a create the CRM refused without executing (429/503).
@@ -60,7 +79,9 @@ impl Default for DispatchSettings {
     fn default() -> Self {
         Self {
             in_flight: 16,
+            claim_ahead: 16,
             lease: Duration::from_secs(60),
+            call_timeout: Duration::from_secs(10),
             max_attempts: 5,
             backoff: Backoff { initial: Duration::from_secs(1), max: Duration::from_secs(300), ..Backoff::default() },
             readback_interval: Duration::from_secs(1),
@@ -68,6 +89,19 @@ impl Default for DispatchSettings {
             absence_grace: Duration::from_secs(10),
             poll_interval: Duration::from_millis(500),
         }
+    }
+}
+
+impl DispatchSettings {
+    /// How long a row claimed ahead may wait for a slot: its call must still end, and its decision
+    /// be recorded, within the lease.
+    pub fn hold_limit(&self) -> Duration {
+        self.lease.saturating_sub(self.call_timeout + LEASE_MARGIN)
+    }
+
+    /// Rows claimed ahead, as run: none when the lease leaves less than [`MIN_HOLD`] to wait in.
+    pub fn effective_claim_ahead(&self) -> i64 {
+        if self.hold_limit() >= MIN_HOLD { self.claim_ahead.max(0) } else { 0 }
     }
 }
 
@@ -296,36 +330,77 @@ impl Dispatcher {
         done
     }
 
-    /// Dispatches until `token` is cancelled; calls in flight finish and are recorded first.
+    /// Releases claims whose call was never sent (see [`ledger::release_unsent`]); a failure is
+    /// logged, and the leases then expire and are read back like a dead replica's.
+    async fn release(&self, unsent: Vec<Held>) {
+        let claims: Vec<(&str, &ClaimedOperation)> = unsent.iter().map(|h| (h.claim.as_str(), &h.op)).collect();
+        match ledger::release_unsent(&self.pool, self.crm.account(), &claims).await {
+            Ok(released) => tracing::info!(released, "released rows claimed ahead and never sent"),
+            Err(error) => tracing::error!(error = %error_chain(&error), rows = claims.len(),
+                "cannot release rows claimed ahead; their leases will expire and they will be read back"),
+        }
+    }
+
+    /// Dispatches until `token` is cancelled; calls in flight finish and are recorded first, and
+    /// rows claimed ahead that were never sent are released.
     ///
     /// A pipeline, not waves: up to `in_flight` CRM calls are under way at all times, and the
-    /// two statements around them run beside the calls rather than between them. A call's room
-    /// is claimed again as soon as the call ends, while its decision is still being recorded: a
-    /// row being recorded keeps its lease, so the claim cannot take it. Decisions are recorded by
-    /// group commit: one record statement at a time, and the calls that end while it commits go
-    /// into the next one, so the database sees a few statements per batch of calls rather than a
-    /// transaction per call, and a slow commit never holds a free slot idle.
+    /// two statements around them run beside the calls rather than between them. Up to
+    /// `claim_ahead` rows are claimed before a slot is free, so a call that ends is followed by
+    /// the next one at once rather than by a claim's commit (a row waits at most
+    /// [`DispatchSettings::hold_limit`]; past it, it is released unsent). A row being recorded
+    /// keeps its lease, so a claim cannot take it. Decisions are recorded by group commit: one
+    /// record statement at a time, and the calls that end while it commits go into the next one,
+    /// so the database sees a few statements per batch of calls rather than a transaction per
+    /// call, and a slow commit never holds a free slot idle.
     ///
     /// It claims when rows may be due: after a notification (new ledger rows), a poll tick
     /// (retries and readbacks fall due by time), a claim that filled all the room it asked for,
-    /// or a recorded decision that leaves a row undecided.
+    /// a release, or a recorded decision that leaves a row undecided.
     pub async fn run_until_stopped(self, token: CancellationToken) -> anyhow::Result<()> {
         let mut listener = PgListener::connect_with(&self.pool).await?;
         listener.listen(NOTIFY_CHANNEL).await?;
         let mut poll = tokio::time::interval(self.settings.poll_interval);
         poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let this = &self;
-        // Calls, the claim and the record statement in flight, whichever ends first.
+        let (ahead, hold_limit) = (self.settings.effective_claim_ahead(), self.settings.hold_limit());
+        // Calls, the claim, the record and release statements in flight, whichever ends first.
         let mut work: FuturesUnordered<BoxFuture<'_, Step>> = FuturesUnordered::new();
         let mut calls: i64 = 0;
+        // Rows claimed ahead of a free slot, oldest claim first.
+        let mut ready: VecDeque<Held> = VecDeque::new();
         // Finished calls waiting for the record statement in flight to commit.
         let mut ended: Vec<Outcome> = Vec::new();
         let (mut recording, mut claiming) = (false, false);
         let mut maybe_due = true;
         let heartbeat = self.liveness.register("dispatcher", self.stall_after);
-        tracing::info!(account = %self.crm.account(), in_flight = self.settings.in_flight, "dispatcher running");
+        tracing::info!(account = %self.crm.account(), in_flight = self.settings.in_flight, claim_ahead = ahead,
+            "dispatcher running");
         loop {
             heartbeat.beat();
+            // Free slots take the rows claimed ahead; one held too long, or held when stopping,
+            // is released unsent.
+            let mut unsent = Vec::new();
+            while let Some(held) = ready.pop_front() {
+                if token.is_cancelled() || held.since.elapsed() > hold_limit {
+                    unsent.push(held);
+                } else if calls < self.settings.in_flight {
+                    calls += 1;
+                    work.push(async move { Step::Called(Box::new(this.call(&held.claim, held.op).await)) }.boxed());
+                } else {
+                    ready.push_front(held);
+                    break;
+                }
+            }
+            if !unsent.is_empty() {
+                work.push(
+                    async move {
+                        this.release(unsent).await;
+                        Step::Released
+                    }
+                    .boxed(),
+                );
+            }
             if !recording && !ended.is_empty() {
                 recording = true;
                 let batch = std::mem::take(&mut ended);
@@ -340,13 +415,15 @@ impl Dispatcher {
                     .boxed(),
                 );
             }
-            let room = self.settings.in_flight - calls;
+            let room = self.settings.in_flight + ahead - calls - ready.len() as i64;
             if maybe_due && !claiming && room > 0 && !token.is_cancelled() {
                 (claiming, maybe_due) = (true, false);
                 work.push(
                     async move {
+                        // The hold is measured from before the claim: the lease starts no earlier.
+                        let since = std::time::Instant::now();
                         let (claim, claimed) = this.claim(room).await;
-                        Step::Claimed { claim, claimed, room }
+                        Step::Claimed { claim, claimed, room, since }
                     }
                     .boxed(),
                 );
@@ -384,15 +461,13 @@ impl Dispatcher {
                                 // Rows left undecided are due again once their lease is released.
                                 maybe_due |= undecided;
                             }
-                            Step::Claimed { claim, claimed, room } => {
+                            Step::Claimed { claim, claimed, room, since } => {
                                 claiming = false;
                                 maybe_due |= claimed.len() as i64 == room;
-                                calls += claimed.len() as i64;
-                                for op in claimed {
-                                    let claim = claim.clone();
-                                    work.push(async move { Step::Called(Box::new(this.call(&claim, op).await)) }.boxed());
-                                }
+                                ready.extend(claimed.into_iter().map(|op| Held { claim: claim.clone(), op, since }));
                             }
+                            // Released rows are due again.
+                            Step::Released => maybe_due = true,
                         }
                     }
                 }
@@ -409,14 +484,26 @@ impl Dispatcher {
     }
 }
 
+/// A row claimed ahead of a free slot.
+struct Held {
+    /// The lease token of its claim.
+    claim: String,
+    op: ClaimedOperation,
+    /// When its claim was asked for.
+    since: std::time::Instant,
+}
+
 /// What ended in the dispatcher's pipeline.
 enum Step {
     /// A CRM call (or a rule's decision without one), not recorded yet.
     Called(Box<Outcome>),
     /// A record statement committed (or failed and was logged).
     Recorded { undecided: bool },
-    /// A claim returned these rows under the lease token `claim`, for `room` slots.
-    Claimed { claim: String, claimed: Vec<ClaimedOperation>, room: i64 },
+    /// A claim asked for at `since` returned these rows under the lease token `claim`, for
+    /// `room` slots.
+    Claimed { claim: String, claimed: Vec<ClaimedOperation>, room: i64, since: std::time::Instant },
+    /// Rows claimed ahead were released unsent (or the release failed and was logged).
+    Released,
 }
 
 /// A finished call whose decision is not recorded yet.

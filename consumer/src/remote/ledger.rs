@@ -105,6 +105,26 @@ pub struct ClaimedOperation {
     pub db_now: DateTime<Utc>,
     /// The producer's trace context, sent on to the CRM.
     pub traceparent: Option<String>,
+    /// The attempt columns as they were before the claim: what [`release_unsent`] restores.
+    #[sqlx(flatten)]
+    pub before: BeforeClaim,
+}
+
+/// A claimed row's attempt columns before its claim changed them, so a claim whose call was never
+/// sent can be undone exactly ([`release_unsent`]).
+#[derive(Debug, Clone, Default, sqlx::FromRow)]
+pub struct BeforeClaim {
+    pub prior_first_attempt_at: Option<DateTime<Utc>>,
+    pub prior_last_attempt_at: Option<DateTime<Utc>>,
+    pub prior_key_sent_at: Option<DateTime<Utc>>,
+    pub prior_unknown_since: Option<DateTime<Utc>>,
+}
+
+impl ClaimedOperation {
+    /// The claim starts a create (counted as an attempt), not a readback.
+    pub fn creates(&self) -> bool {
+        self.prior_state.sends_create()
+    }
 }
 
 /// Claims up to `limit` due operations of `account` for `owner` for `lease`. A create claim
@@ -125,7 +145,9 @@ pub async fn claim_due(
     const CLAIM_DUE: &str = r#"
         WITH due AS (
             SELECT operation_key, state AS prior_state, lease_owner AS prior_owner,
-                   state IN ('received', 'proved_not_executed', 'replay') AS creates
+                   state IN ('received', 'proved_not_executed', 'replay') AS creates,
+                   first_attempt_at AS prior_first_attempt_at, last_attempt_at AS prior_last_attempt_at,
+                   key_sent_at AS prior_key_sent_at, unknown_since AS prior_unknown_since
               FROM handoff_consumer.crm_operation
              WHERE state IN ('received', 'dispatching', 'unknown', 'proved_not_executed', 'replay')
                AND next_attempt_at <= now()
@@ -156,7 +178,8 @@ pub async fn claim_due(
              WHERE o.account = $4 AND o.operation_key = due.operation_key
          RETURNING o.operation_key, o.account, o.payload_hash, o.payload, due.prior_state, due.prior_owner,
                    o.attempts, o.first_attempt_at, o.last_attempt_at, o.key_sent_at, o.unknown_since,
-                   now() AS db_now, o.traceparent
+                   now() AS db_now, o.traceparent, due.prior_first_attempt_at, due.prior_last_attempt_at,
+                   due.prior_key_sent_at, due.prior_unknown_since
         ), abandoned AS (
             INSERT INTO handoff_consumer.crm_event (account, operation_key, kind, replica, attempt, evidence, state_after)
             SELECT account, operation_key, 'attempt', prior_owner, attempts,
@@ -166,9 +189,53 @@ pub async fn claim_due(
               FROM claimed WHERE prior_state = 'dispatching'
         )
         SELECT operation_key, account, payload_hash, payload, prior_state, attempts, first_attempt_at,
-               last_attempt_at, key_sent_at, unknown_since, db_now, traceparent
+               last_attempt_at, key_sent_at, unknown_since, db_now, traceparent, prior_first_attempt_at,
+               prior_last_attempt_at, prior_key_sent_at, prior_unknown_since
           FROM claimed"#;
     sqlx::query_as(CLAIM_DUE).bind(limit).bind(owner).bind(lease.as_secs_f64()).bind(account).fetch_all(pool).await
+}
+
+/// Undoes claims whose call was never sent (rows a dispatcher claimed ahead of a free slot and
+/// is stopping with, or held too long to send within their lease), each only while `owner` still
+/// holds it: a create claim gets its prior state and attempt columns back (the attempt it counted
+/// never happened), a readback claim stays `unknown` with one readback fewer. No evidence row is
+/// written: nothing reached the CRM. The rows are due again at once. Returns how many were released.
+pub async fn release_unsent(
+    pool: &PgPool,
+    account: &str,
+    claims: &[(&str, &ClaimedOperation)],
+) -> Result<u64, sqlx::Error> {
+    const RELEASE_UNSENT: &str = r#"
+        UPDATE handoff_consumer.crm_operation AS o
+           SET state = CASE WHEN r.creates THEN r.prior_state ELSE o.state END,
+               attempts = o.attempts - CASE WHEN r.creates THEN 1 ELSE 0 END,
+               readbacks = o.readbacks - CASE WHEN r.creates THEN 0 ELSE 1 END,
+               first_attempt_at = CASE WHEN r.creates THEN r.first_attempt_at ELSE o.first_attempt_at END,
+               last_attempt_at = CASE WHEN r.creates THEN r.last_attempt_at ELSE o.last_attempt_at END,
+               key_sent_at = CASE WHEN r.creates THEN r.key_sent_at ELSE o.key_sent_at END,
+               unknown_since = CASE WHEN r.creates THEN r.unknown_since ELSE o.unknown_since END,
+               lease_owner = NULL, lease_until = NULL, next_attempt_at = now(), updated_at = now()
+          FROM UNNEST($1::text[], $2::text[], $3::text[], $4::bool[], $5::timestamptz[], $6::timestamptz[],
+                      $7::timestamptz[], $8::timestamptz[])
+               AS r(operation_key, owner, prior_state, creates, first_attempt_at, last_attempt_at, key_sent_at,
+                    unknown_since)
+         WHERE o.account = $9 AND o.operation_key = r.operation_key AND o.lease_owner = r.owner"#;
+    if claims.is_empty() {
+        return Ok(0);
+    }
+    let done = sqlx::query(RELEASE_UNSENT)
+        .bind(claims.iter().map(|(_, op)| op.operation_key.as_str()).collect::<Vec<_>>())
+        .bind(claims.iter().map(|(owner, _)| *owner).collect::<Vec<_>>())
+        .bind(claims.iter().map(|(_, op)| op.prior_state.as_str()).collect::<Vec<_>>())
+        .bind(claims.iter().map(|(_, op)| op.creates()).collect::<Vec<_>>())
+        .bind(claims.iter().map(|(_, op)| op.before.prior_first_attempt_at).collect::<Vec<_>>())
+        .bind(claims.iter().map(|(_, op)| op.before.prior_last_attempt_at).collect::<Vec<_>>())
+        .bind(claims.iter().map(|(_, op)| op.before.prior_key_sent_at).collect::<Vec<_>>())
+        .bind(claims.iter().map(|(_, op)| op.before.prior_unknown_since).collect::<Vec<_>>())
+        .bind(account)
+        .execute(pool)
+        .await?;
+    Ok(done.rows_affected())
 }
 
 /// One entry of the event log.

@@ -567,7 +567,10 @@ async fn running_dispatchers_on_two_replicas_settle_every_action_once_through_fa
     ));
 
     let stop = tokio_util::sync::CancellationToken::new();
-    let settings = DispatchSettings { in_flight: 4, ..env.dispatch_settings() };
+    // Rows claimed ahead too: a lease leaving 2.5 s to wait for a slot.
+    let settings =
+        DispatchSettings { in_flight: 4, claim_ahead: 4, lease: Duration::from_secs(8), ..env.dispatch_settings() };
+    assert_eq!(settings.effective_claim_ahead(), 4);
     let mut replicas = tokio::task::JoinSet::new();
     for _ in 0..2 {
         let dispatcher = env.dispatcher(env.sim_crm(&sim, Capability::ExternalId), settings.clone()).await.unwrap();
@@ -608,6 +611,88 @@ async fn running_dispatchers_on_two_replicas_settle_every_action_once_through_fa
     .await
     .unwrap();
     assert_eq!(decisions, N);
+}
+
+/// Rows claimed ahead of a free slot (`claim_ahead`) wait while every slot is busy, and a
+/// dispatcher stopping with some releases them unsent: the attempt their claim counted is undone,
+/// no evidence is written (nothing reached the CRM), and the next dispatcher sends each once.
+#[tokio::test]
+async fn rows_claimed_ahead_wait_for_a_slot_and_a_stopping_dispatcher_releases_them_unsent() {
+    let (env, sim) = setup(SimConfig::default()).await;
+    deliver(&env, &["case-1", "case-2", "case-3"]).await;
+    // The first create, whichever key it carries, waits at the CRM until released.
+    sim.sim.faults().inject(Fault { target: None, kind: FaultKind::HoldUntilReleased, times: Some(1) });
+    let mut slow_http = env.http_settings(&sim);
+    slow_http.timeout = Duration::from_secs(30);
+    let crm = handoff_consumer::remote::connect(
+        Adapter::TasksApi,
+        slow_http,
+        Capability::ExternalId,
+        Adapter::TasksApi.default_mapping(),
+    )
+    .unwrap();
+    let settings = DispatchSettings {
+        in_flight: 1,
+        claim_ahead: 1,
+        lease: Duration::from_secs(40),
+        call_timeout: Duration::from_secs(30),
+        ..env.dispatch_settings()
+    };
+    assert_eq!((settings.effective_claim_ahead(), settings.hold_limit()), (1, Duration::from_secs(5)));
+    let stop = tokio_util::sync::CancellationToken::new();
+    let running = tokio::spawn(env.dispatcher(crm, settings).await.unwrap().run_until_stopped(stop.clone()));
+    let by_state = || async {
+        handoff_consumer::remote::ledger::count_by_state(&env.consumer_db).await.map_err(anyhow::Error::from)
+    };
+    // One row in the slot's call, one claimed ahead (its attempt counted, durably), one left.
+    let counts = eventually("a create held at the CRM and a row claimed ahead", WAIT, || async {
+        let counts = by_state().await?;
+        let dispatching = counts.get(&LedgerState::Dispatching).copied().unwrap_or(0);
+        Ok((sim.sim.faults().held() == 1 && dispatching == 2).then_some(counts))
+    })
+    .await
+    .unwrap();
+    assert_eq!(counts.get(&LedgerState::Received).copied(), Some(1), "{counts:?}");
+    assert_eq!(sim.creates(), 1, "the row claimed ahead waits for the slot");
+
+    stop.cancel();
+    sim.sim.faults().release_held();
+    running.await.unwrap().unwrap();
+    assert_eq!(sim.creates(), 1, "a stopping dispatcher sends nothing it claimed ahead");
+    let rows: Vec<(String, String, i32, bool, bool, bool, i64)> = sqlx::query_as(
+        "SELECT o.state, o.operation_key, o.attempts, o.lease_owner IS NULL, o.first_attempt_at IS NULL,
+                o.key_sent_at IS NULL, (SELECT count(*) FROM handoff_consumer.crm_event e
+                                         WHERE e.operation_key = o.operation_key)
+           FROM handoff_consumer.crm_operation o ORDER BY o.state, o.operation_key",
+    )
+    .fetch_all(&env.consumer_db)
+    .await
+    .unwrap();
+    let shape: Vec<(&str, i32, bool, bool, bool, i64)> =
+        rows.iter().map(|r| (r.0.as_str(), r.2, r.3, r.4, r.5, r.6)).collect();
+    assert_eq!(
+        shape,
+        [
+            // Released (the one claimed ahead) and never claimed: as intake left them.
+            ("received", 0, true, true, true, 0),
+            ("received", 0, true, true, true, 0),
+            // The slot's call: one attempt, its evidence row.
+            ("settled", 1, true, false, false, 1),
+        ],
+        "{rows:?}"
+    );
+
+    // The next dispatcher sends each released row once.
+    let next = dispatcher(&env, &sim, Capability::ExternalId).await;
+    let released: Vec<&str> = rows.iter().filter(|r| r.0 == "received").map(|r| r.1.as_str()).collect();
+    let mut steps = Vec::new();
+    for key in &released {
+        steps.extend(until_decided(&next, &env, key).await);
+    }
+    for key in &released {
+        assert_eq!(calls_for(&steps, key), [("create", LedgerState::Settled)], "{steps:?}");
+    }
+    assert_eq!((sim.effects().await.unwrap(), sim.creates()), (3, 3));
 }
 
 #[tokio::test]

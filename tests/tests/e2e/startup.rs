@@ -87,6 +87,23 @@ async fn a_setting_that_would_stall_is_refused_at_startup_naming_it() {
     .unwrap();
     assert_eq!(out.code, Some(2), "{}", out.stderr);
     assert!(out.stderr.contains("--crm-lease-secs"), "{}", out.stderr);
+    // Rows claimed ahead with a lease that leaves them no time to wait for a slot.
+    let out = run_binary(
+        "handoff-consumer",
+        &[
+            ("DATABASE_URL", env.consumer_url()),
+            ("HANDOFF_CRM", "http".to_owned()),
+            ("HANDOFF_CRM_URL", "http://127.0.0.1:9".to_owned()),
+            ("HANDOFF_CRM_LEASE_SECS", "15".to_owned()),
+            ("HANDOFF_CRM_CLAIM_AHEAD", "4".to_owned()),
+        ],
+        &[],
+        Duration::from_secs(30),
+    )
+    .await
+    .unwrap();
+    assert_eq!(out.code, Some(1), "{}", out.stderr);
+    assert!(out.stderr.contains("--crm-claim-ahead needs --crm-lease-secs"), "{}", out.stderr);
 }
 
 #[tokio::test]
