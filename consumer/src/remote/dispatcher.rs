@@ -379,10 +379,11 @@ impl Dispatcher {
         loop {
             heartbeat.beat();
             // Free slots take the rows claimed ahead; one held too long, or held when stopping,
-            // is released unsent.
+            // is released unsent. Without claiming ahead every claimed row has a free slot (and
+            // the hold limit may be zero), so only a stop releases.
             let mut unsent = Vec::new();
             while let Some(held) = ready.pop_front() {
-                if token.is_cancelled() || held.since.elapsed() > hold_limit {
+                if token.is_cancelled() || (ahead > 0 && held.since.elapsed() > hold_limit) {
                     unsent.push(held);
                 } else if calls < self.settings.in_flight {
                     calls += 1;

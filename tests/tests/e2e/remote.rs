@@ -695,6 +695,29 @@ async fn rows_claimed_ahead_wait_for_a_slot_and_a_stopping_dispatcher_releases_t
     assert_eq!((sim.effects().await.unwrap(), sim.creates()), (3, 3));
 }
 
+/// A lease leaving no time to wait for a slot (the shortest the binary allows) turns claiming
+/// ahead off: the running dispatcher claims only for free slots and still settles every row once,
+/// rather than releasing what it claimed.
+#[tokio::test]
+async fn with_no_time_to_hold_the_running_dispatcher_claims_only_for_free_slots_and_settles_all() {
+    let (env, sim) = setup(SimConfig::default()).await;
+    deliver(&env, &["case-1", "case-2", "case-3"]).await;
+    let settings = DispatchSettings { in_flight: 1, claim_ahead: 4, ..env.dispatch_settings() };
+    assert_eq!((settings.hold_limit(), settings.effective_claim_ahead()), (Duration::ZERO, 0));
+    let stop = tokio_util::sync::CancellationToken::new();
+    let crm = env.sim_crm(&sim, Capability::ExternalId);
+    let running = tokio::spawn(env.dispatcher(crm, settings).await.unwrap().run_until_stopped(stop.clone()));
+    let settled = eventually("every row settled", WAIT, || async {
+        let counts = handoff_consumer::remote::ledger::count_by_state(&env.consumer_db).await?;
+        Ok((counts.get(&LedgerState::Settled).copied() == Some(3)).then_some(()))
+    })
+    .await;
+    stop.cancel();
+    running.await.unwrap().unwrap();
+    settled.unwrap();
+    assert_eq!((sim.effects().await.unwrap(), sim.creates()), (3, 3));
+}
+
 #[tokio::test]
 async fn a_dry_run_replica_records_intake_and_never_calls_the_crm() {
     let (env, sim) = setup(SimConfig::default()).await;
