@@ -43,6 +43,11 @@ pub const LEASE_MARGIN: Duration = Duration::from_secs(5);
 /// not claim ahead.
 pub const MIN_HOLD: Duration = Duration::from_secs(1);
 
+/// The longest a finished call's decision waits for others to be recorded with it (see
+/// [`DispatchSettings::record_batch`]). Its lease still has [`LEASE_MARGIN`] to run; this is a
+/// small part of it.
+pub const RECORD_LINGER: Duration = Duration::from_millis(5);
+
 /// How the dispatcher retries, reads back and gives up.
 #[derive(Debug, Clone)]
 pub struct DispatchSettings {
@@ -102,6 +107,24 @@ impl DispatchSettings {
     /// Rows claimed ahead, as run: none when the lease leaves less than [`MIN_HOLD`] to wait in.
     pub fn effective_claim_ahead(&self) -> i64 {
         if self.hold_limit() >= MIN_HOLD { self.claim_ahead.max(0) } else { 0 }
+    }
+
+    /// The fewest rows a running dispatcher claims at once: half the rows it may claim ahead (at
+    /// least one). Claiming a row per ended call would plan and commit one claim statement per
+    /// call; waiting until half the rows held ahead are gone claims them in one statement while
+    /// the other half still keeps every slot fed. A free slot with nothing held always has room
+    /// for more than this, so it never waits for the batch to fill.
+    pub fn claim_batch(&self) -> i64 {
+        (self.effective_claim_ahead() / 2).max(1)
+    }
+
+    /// The finished calls a running dispatcher records in one statement: a quarter of the calls
+    /// in flight (at least one). Fewer are recorded when no other call is under way, when
+    /// stopping, or when the first of them has waited [`RECORD_LINGER`]: recording each call alone
+    /// would plan and commit a statement per call, and a decision waiting a few milliseconds
+    /// holds no slot (the call has ended) and only its own lease.
+    pub fn record_batch(&self) -> usize {
+        usize::try_from(self.in_flight / 4).unwrap_or(0).max(1)
     }
 }
 
@@ -348,9 +371,11 @@ impl Dispatcher {
     /// two statements around them run beside the calls rather than between them. Up to
     /// `claim_ahead` rows are claimed before a slot is free, so a call that ends is followed by
     /// the next one at once rather than by a claim's commit (a row waits at most
-    /// [`DispatchSettings::hold_limit`]; past it, it is released unsent). A row being recorded
+    /// [`DispatchSettings::hold_limit`]; past it, it is released unsent); they are claimed
+    /// [`DispatchSettings::claim_batch`] or more at a time. A row being recorded
     /// keeps its lease, so a claim cannot take it. Decisions are recorded by group commit: one
-    /// record statement at a time, and the calls that end while it commits go into the next one,
+    /// record statement at a time, and the calls that end while it commits go into the next one
+    /// (which waits for [`DispatchSettings::record_batch`] of them, at most [`RECORD_LINGER`]),
     /// so the database sees a few statements per batch of calls rather than a transaction per
     /// call, and a slow commit never holds a free slot idle.
     ///
@@ -364,6 +389,7 @@ impl Dispatcher {
         poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let this = &self;
         let (ahead, hold_limit) = (self.settings.effective_claim_ahead(), self.settings.hold_limit());
+        let (claim_batch, record_batch) = (self.settings.claim_batch(), self.settings.record_batch());
         // Calls, the claim, the record and release statements in flight, whichever ends first.
         let mut work: FuturesUnordered<BoxFuture<'_, Step>> = FuturesUnordered::new();
         let mut calls: i64 = 0;
@@ -371,11 +397,13 @@ impl Dispatcher {
         let mut ready: VecDeque<Held> = VecDeque::new();
         // Finished calls waiting for the record statement in flight to commit.
         let mut ended: Vec<Outcome> = Vec::new();
+        // When the oldest of them ended: it waits for others at most RECORD_LINGER.
+        let mut first_ended = tokio::time::Instant::now();
         let (mut recording, mut claiming) = (false, false);
         let mut maybe_due = true;
         let heartbeat = self.liveness.register("dispatcher", self.stall_after);
         tracing::info!(account = %self.crm.account(), in_flight = self.settings.in_flight, claim_ahead = ahead,
-            "dispatcher running");
+            claim_batch, record_batch, "dispatcher running");
         loop {
             heartbeat.beat();
             // Free slots take the rows claimed ahead; one held too long, or held when stopping,
@@ -402,7 +430,11 @@ impl Dispatcher {
                     .boxed(),
                 );
             }
-            if !recording && !ended.is_empty() {
+            let record_now = ended.len() >= record_batch
+                || calls == 0
+                || token.is_cancelled()
+                || first_ended.elapsed() >= RECORD_LINGER;
+            if !recording && !ended.is_empty() && record_now {
                 recording = true;
                 let batch = std::mem::take(&mut ended);
                 work.push(
@@ -417,7 +449,7 @@ impl Dispatcher {
                 );
             }
             let room = self.settings.in_flight + ahead - calls - ready.len() as i64;
-            if maybe_due && !claiming && room > 0 && !token.is_cancelled() {
+            if maybe_due && !claiming && room >= claim_batch && !token.is_cancelled() {
                 (claiming, maybe_due) = (true, false);
                 work.push(
                     async move {
@@ -455,6 +487,9 @@ impl Dispatcher {
                         match step {
                             Step::Called(outcome) => {
                                 calls -= 1;
+                                if ended.is_empty() {
+                                    first_ended = tokio::time::Instant::now();
+                                }
                                 ended.push(*outcome);
                             }
                             Step::Recorded { undecided } => {
@@ -479,6 +514,8 @@ impl Dispatcher {
                     maybe_due = true;
                 }
                 _ = poll.tick(), if !maybe_due => maybe_due = true,
+                // Decisions waiting for a batch have waited long enough.
+                _ = tokio::time::sleep_until(first_ended + RECORD_LINGER), if !recording && !ended.is_empty() => {}
             }
         }
         Ok(())
@@ -542,5 +579,44 @@ fn readback_evidence(readback: &Readback) -> String {
         Readback::Absent { evidence, .. } | Readback::Ambiguous { evidence } | Readback::Unavailable { evidence } => {
             evidence.clone()
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(in_flight: i64, claim_ahead: i64, lease_secs: u64) -> DispatchSettings {
+        DispatchSettings {
+            in_flight,
+            claim_ahead,
+            lease: Duration::from_secs(lease_secs),
+            call_timeout: Duration::from_secs(10),
+            ..DispatchSettings::default()
+        }
+    }
+
+    #[test]
+    fn claims_half_the_rows_held_ahead_at_once_and_one_without_claiming_ahead() {
+        assert_eq!(settings(16, 16, 60).claim_batch(), 8);
+        assert_eq!(settings(64, 64, 60).claim_batch(), 32);
+        assert_eq!(settings(1, 1, 60).claim_batch(), 1);
+        assert_eq!(settings(16, 0, 60).claim_batch(), 1);
+        // A lease with no time to hold claims nothing ahead, so it claims for each free slot.
+        assert_eq!(settings(16, 16, 15).claim_batch(), 1);
+        // A free slot with nothing held always has room for a batch: in_flight + ahead - (in_flight - 1) > ahead / 2.
+        for ahead in 0..40 {
+            let s = settings(8, ahead, 60);
+            assert!(s.effective_claim_ahead() + 1 >= s.claim_batch(), "ahead {ahead}");
+        }
+    }
+
+    #[test]
+    fn records_a_quarter_of_the_calls_in_flight_at_once_and_at_least_one() {
+        assert_eq!(settings(1, 1, 60).record_batch(), 1);
+        assert_eq!(settings(4, 4, 60).record_batch(), 1);
+        assert_eq!(settings(16, 16, 60).record_batch(), 4);
+        assert_eq!(settings(64, 64, 60).record_batch(), 16);
+        assert!(RECORD_LINGER < LEASE_MARGIN);
     }
 }
