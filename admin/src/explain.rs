@@ -213,14 +213,21 @@ fn timeline(
         if let Some(t) = &c.task {
             add(Some(t.created_at), "crm", format!("local task {} created", t.task_id));
         }
-        if let Some(l) = &c.ledger {
-            add(Some(l.operation.created_at), "ledger", "accepted for the remote CRM".into());
+        let several = c.ledger.len() > 1;
+        for l in &c.ledger {
+            // A key sent to several accounts has a history per account: each line names its own.
+            let account = if several { format!("[{}] ", l.operation.account) } else { String::new() };
+            add(
+                Some(l.operation.created_at),
+                "ledger",
+                format!("{account}accepted for the remote CRM account {}", l.operation.account),
+            );
             for e in &l.events {
                 add(
                     Some(e.at),
                     "ledger",
                     format!(
-                        "{}{}{}: {} -> {}{}",
+                        "{account}{}{}{}: {} -> {}{}",
                         e.kind,
                         e.attempt.map(|a| format!(" #{a}")).unwrap_or_default(),
                         e.replica.as_deref().map(|r| format!(" by {r}")).unwrap_or_default(),
@@ -231,7 +238,7 @@ fn timeline(
                 );
             }
             for a in &l.audit {
-                add(Some(a.at), "operator", format!("{} by {}: {}", a.action, a.actor, a.reason));
+                add(Some(a.at), "operator", format!("{account}{} by {}: {}", a.action, a.actor, a.reason));
             }
         }
         for r in &c.conflicts {
@@ -274,6 +281,19 @@ fn resolved(at: Option<DateTime<Utc>>, by: Option<&str>, how: Option<&str>) -> S
     }
 }
 
+/// Where one ledger row stands.
+fn ledger_verdict(o: &handoff_consumer::review::ReviewRow) -> String {
+    use handoff_consumer::remote::LedgerState;
+    match o.state {
+        LedgerState::Settled => format!("settled in the remote CRM: task {}", o.receipt_ref.as_deref().unwrap_or("?")),
+        LedgerState::Review => format!("waiting for a person (review): {}", o.note.as_deref().unwrap_or("")),
+        LedgerState::Unknown => format!("outcome unknown, being read back: {}", o.note.as_deref().unwrap_or("")),
+        LedgerState::Received | LedgerState::Dispatching | LedgerState::ProvedNotExecuted | LedgerState::Replay => {
+            format!("remote CRM: {} after {} attempt(s)", o.state, o.attempts)
+        }
+    }
+}
+
 /// Where the key stands, in one sentence.
 fn verdict(
     producer: Option<&ProducerRecord>,
@@ -283,14 +303,16 @@ fn verdict(
     let outbox = producer.and_then(|p| p.outbox.as_ref());
     let inbox = consumer.and_then(|c| c.inbox.as_ref());
     if let Some(c) = consumer {
-        if let Some(l) = &c.ledger {
-            let o = &l.operation;
-            return match o.state.as_str() {
-                "settled" => format!("settled in the remote CRM: task {}", o.receipt_ref.as_deref().unwrap_or("?")),
-                "review" => format!("waiting for a person (review): {}", o.note.as_deref().unwrap_or("")),
-                "unknown" => format!("outcome unknown, being read back: {}", o.note.as_deref().unwrap_or("")),
-                state => format!("remote CRM: {state} after {} attempt(s)", o.attempts),
-            };
+        match c.ledger.as_slice() {
+            [] => {}
+            [one] => return ledger_verdict(&one.operation),
+            several => {
+                let each: Vec<String> = several
+                    .iter()
+                    .map(|l| format!("account {}: {}", l.operation.account, ledger_verdict(&l.operation)))
+                    .collect();
+                return format!("sent to {} accounts; {}", several.len(), each.join("; "));
+            }
         }
         if c.conflicts.iter().any(|r| r.resolved_at.is_none()) {
             return "conflict: the key arrived with a different payload; waiting in the conflict queue".into();

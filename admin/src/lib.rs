@@ -96,6 +96,10 @@ pub enum Command {
     /// Record the CRM receipt a person found, settling the key.
     Resolve {
         operation_key: String,
+        /// The destination account whose ledger row to settle; needed only when the key went to
+        /// several accounts.
+        #[arg(long)]
+        account: Option<String>,
         #[arg(long)]
         receipt: String,
         #[arg(long)]
@@ -106,6 +110,10 @@ pub enum Command {
     /// Allow exactly one new attempt with the same key, after proving the CRM never executed it.
     ApproveRetry {
         operation_key: String,
+        /// The destination account whose ledger row may try again; needed only when the key went
+        /// to several accounts.
+        #[arg(long)]
+        account: Option<String>,
         #[arg(long)]
         actor: String,
         /// The evidence of non-execution.
@@ -305,15 +313,29 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
             let rows = queue::list(consumer.as_ref(), producer.as_ref(), &states).await?;
             print(cli.json, &rows, queue::render)?;
         }
-        Command::Resolve { operation_key, receipt, actor, reason } => {
+        Command::Resolve { operation_key, account, receipt, actor, reason } => {
             let consumer = c.consumer("resolve").await?;
-            handoff_consumer::review::resolve_with_receipt(&consumer, &operation_key, &receipt, &actor, &reason)
-                .await?;
+            handoff_consumer::review::resolve_with_receipt(
+                &consumer,
+                &operation_key,
+                account.as_deref(),
+                &receipt,
+                &actor,
+                &reason,
+            )
+            .await?;
             println!("{operation_key}: settled with receipt {receipt}");
         }
-        Command::ApproveRetry { operation_key, actor, reason } => {
+        Command::ApproveRetry { operation_key, account, actor, reason } => {
             let consumer = c.consumer("approve-retry").await?;
-            handoff_consumer::review::approve_new_attempt(&consumer, &operation_key, &actor, &reason).await?;
+            handoff_consumer::review::approve_new_attempt(
+                &consumer,
+                &operation_key,
+                account.as_deref(),
+                &actor,
+                &reason,
+            )
+            .await?;
             println!("{operation_key}: one new attempt approved");
         }
         Command::Export { format, states } => {

@@ -35,9 +35,12 @@ pub struct BlockedRow {
 pub enum ReviewError {
     #[error("no ledger row for operation key {0}")]
     NotFound(String),
-    /// The key went to several destination accounts; each is its own row.
-    #[error("operation key {key} has ledger rows in several accounts ({}); resolve it in the CRM of each account and record the outcome per account with SQL, or ask the maintainers for --account", .accounts.join(", "))]
+    /// The key went to several destination accounts; each is its own row, acted on by naming it.
+    #[error("operation key {key} has ledger rows in several accounts ({}); name the one you mean with --account", .accounts.join(", "))]
     SeveralAccounts { key: String, accounts: Vec<String> },
+    /// The key has ledger rows, but none in the account named.
+    #[error("operation key {key} has no ledger row in account {account} (it has: {})", .accounts.join(", "))]
+    NotInAccount { key: String, account: String, accounts: Vec<String> },
     /// Only undecided rows that no replica is working on can be resolved by a person.
     #[error("operation key {key} is {state}{}; only unknown or review rows not held by a replica can be resolved", if *.leased { " and leased by a replica" } else { "" })]
     NotResolvable { key: String, state: LedgerState, leased: bool },
@@ -94,22 +97,49 @@ pub struct History {
     pub audit: Vec<AuditRow>,
 }
 
-/// The full history of one key.
-pub async fn history(pool: &PgPool, key: &str) -> Result<History, ReviewError> {
+/// The full history of one key's ledger row: the only one, or `account`'s.
+pub async fn history(pool: &PgPool, key: &str, account: Option<&str>) -> Result<History, ReviewError> {
     let mut rows = ledger::operations(pool, key).await?;
-    let operation = match rows.len() {
-        0 => return Err(ReviewError::NotFound(key.to_owned())),
-        1 => rows.remove(0),
-        _ => {
-            return Err(ReviewError::SeveralAccounts {
-                key: key.to_owned(),
-                accounts: rows.into_iter().map(|r| r.account).collect(),
-            });
-        }
-    };
-    let events = ledger::events(pool, key).await?;
-    let audit = ledger::audit_trail(pool, key).await?;
+    let operation = pick_account(key, account, &mut rows, |r| &r.account)?;
+    Ok(history_of(pool, operation).await?)
+}
+
+/// The full history of each of a key's ledger rows, one per destination account (normally one;
+/// none when the key never reached the remote-CRM path).
+pub async fn histories(pool: &PgPool, key: &str) -> Result<Vec<History>, sqlx::Error> {
+    let mut all = Vec::new();
+    for operation in ledger::operations(pool, key).await? {
+        all.push(history_of(pool, operation).await?);
+    }
+    Ok(all)
+}
+
+async fn history_of(pool: &PgPool, operation: ReviewRow) -> Result<History, sqlx::Error> {
+    let events = ledger::events(pool, &operation.operation_key, &operation.account).await?;
+    let audit = ledger::audit_trail(pool, &operation.operation_key, &operation.account).await?;
     Ok(History { operation, events, audit })
+}
+
+/// The one row of `rows` (a key's ledger rows, by account) an operator means: the only one, or
+/// the one in `account`. Anything else is refused, naming the accounts there are.
+fn pick_account<T>(
+    key: &str,
+    account: Option<&str>,
+    rows: &mut Vec<T>,
+    account_of: impl Fn(&T) -> &String,
+) -> Result<T, ReviewError> {
+    let accounts = || rows.iter().map(|r| account_of(r).clone()).collect::<Vec<_>>();
+    match account {
+        _ if rows.is_empty() => Err(ReviewError::NotFound(key.to_owned())),
+        Some(wanted) => match rows.iter().position(|r| account_of(r) == wanted) {
+            Some(at) => Ok(rows.swap_remove(at)),
+            None => {
+                Err(ReviewError::NotInAccount { key: key.to_owned(), account: wanted.to_owned(), accounts: accounts() })
+            }
+        },
+        None if rows.len() == 1 => Ok(rows.remove(0)),
+        None => Err(ReviewError::SeveralAccounts { key: key.to_owned(), accounts: accounts() }),
+    }
 }
 
 /// Ledger rows in these states, oldest first.
@@ -117,10 +147,12 @@ pub async fn list(pool: &PgPool, states: &[LedgerState]) -> Result<Vec<ReviewRow
     ledger::list(pool, states).await
 }
 
-/// A person found the task in the CRM: record its receipt and settle the key.
+/// A person found the task in the CRM: record its receipt and settle the key (its row in
+/// `account`, which may be left out when the key has one ledger row).
 pub async fn resolve_with_receipt(
     pool: &PgPool,
     key: &str,
+    account: Option<&str>,
     receipt: &str,
     actor: &str,
     reason: &str,
@@ -128,18 +160,27 @@ pub async fn resolve_with_receipt(
     if receipt.trim().is_empty() {
         return Err(ReviewError::Missing("receipt"));
     }
-    resolve(pool, key, actor, reason, "record_receipt", Some(receipt), LedgerState::Settled).await
+    resolve(pool, key, account, actor, reason, "record_receipt", Some(receipt), LedgerState::Settled).await
 }
 
 /// A person proved the CRM never executed the action: allow exactly one new attempt with the same
-/// key and the same approved payload (a changed payload needs a new approval and a new key).
-pub async fn approve_new_attempt(pool: &PgPool, key: &str, actor: &str, reason: &str) -> Result<(), ReviewError> {
-    resolve(pool, key, actor, reason, "approve_new_attempt", None, LedgerState::ProvedNotExecuted).await
+/// key and the same approved payload (a changed payload needs a new approval and a new key), in
+/// `account` (which may be left out when the key has one ledger row).
+pub async fn approve_new_attempt(
+    pool: &PgPool,
+    key: &str,
+    account: Option<&str>,
+    actor: &str,
+    reason: &str,
+) -> Result<(), ReviewError> {
+    resolve(pool, key, account, actor, reason, "approve_new_attempt", None, LedgerState::ProvedNotExecuted).await
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn resolve(
     pool: &PgPool,
     key: &str,
+    account: Option<&str>,
     actor: &str,
     reason: &str,
     action: &'static str,
@@ -148,25 +189,18 @@ async fn resolve(
 ) -> Result<(), ReviewError> {
     require(actor, reason)?;
     let mut tx = pool.begin().await?;
-    // Locked, so a dispatcher cannot claim it between the check and the update.
+    // Locked, so a dispatcher cannot claim it between the check and the update (all of the key's
+    // rows: the refusal naming the accounts must see them all).
     let mut rows = ledger::lock_for_resolution(&mut tx, key).await?;
-    let (account, current, leased) = match rows.len() {
-        0 => return Err(ReviewError::NotFound(key.to_owned())),
-        1 => rows.remove(0),
-        _ => {
-            return Err(ReviewError::SeveralAccounts {
-                key: key.to_owned(),
-                accounts: rows.into_iter().map(|(account, ..)| account).collect(),
-            });
-        }
-    };
+    let (account, current, leased) = pick_account(key, account, &mut rows, |(account, ..)| account)?;
     if leased || !matches!(current, LedgerState::Unknown | LedgerState::Review) {
         return Err(ReviewError::NotResolvable { key: key.to_owned(), state: current, leased });
     }
     let note = format!("{action} by {actor}: {reason}");
     ledger::apply_resolution(&mut tx, &account, key, new_state, receipt, &note).await?;
-    ledger::insert_audit(&mut tx, &ledger::Audit { key: Some(key), action_type: None, actor, action, reason, receipt })
-        .await?;
+    let audit =
+        ledger::Audit { key: Some(key), account: Some(&account), action_type: None, actor, action, reason, receipt };
+    ledger::insert_audit(&mut tx, &audit).await?;
     ledger::insert_event(
         &mut tx,
         &account,
@@ -238,8 +272,9 @@ pub struct ConsumerRecord {
     pub inbox: Option<InboxRow>,
     /// The local CRM's task (`--crm local`).
     pub task: Option<TaskRow>,
-    /// The remote CRM ledger row and its history (`--crm http`).
-    pub ledger: Option<History>,
+    /// The remote CRM ledger rows and their histories (`--crm http`): one per destination account
+    /// the key went to, normally one.
+    pub ledger: Vec<History>,
     pub conflicts: Vec<ConflictRow>,
     pub dead_letters: Vec<DeadLetterRow>,
     pub audit: Vec<AuditRow>,
@@ -291,12 +326,7 @@ pub async fn consumer_record(pool: &PgPool, key: &str) -> Result<ConsumerRecord,
     .bind(key)
     .fetch_optional(pool)
     .await?;
-    let ledger = match history(pool, key).await {
-        Ok(history) => Some(history),
-        Err(ReviewError::NotFound(_)) => None,
-        Err(ReviewError::Database(error)) => return Err(error),
-        Err(_) => None,
-    };
+    let ledger = histories(pool, key).await?;
     let conflicts = sqlx::query_as(
         r#"SELECT id, operation_key, reason, incoming_hash, existing_hash, stream_sequence, recorded_at,
                   resolved_at, resolved_by, resolution
@@ -314,7 +344,7 @@ pub async fn consumer_record(pool: &PgPool, key: &str) -> Result<ConsumerRecord,
     .await?;
     // The ledger's history already carries its resolutions; these are the others (conflicts,
     // dead letters, pauses).
-    let audit = if ledger.is_some() {
+    let audit = if !ledger.is_empty() {
         Vec::new()
     } else {
         sqlx::query_as(
@@ -543,6 +573,7 @@ pub async fn request_replay(pool: &PgPool, id: i64, actor: &str, reason: &str) -
     let reason = format!("dead letter {id}: {}", reason.trim());
     let audit = ledger::Audit {
         key: message_id.as_deref(),
+        account: None,
         action_type: None,
         actor,
         action: "replay_dead_letter",

@@ -451,29 +451,33 @@ pub async fn operations(pool: &PgPool, key: &str) -> Result<Vec<ReviewRow>, sqlx
     .await
 }
 
-/// One key's evidence, in the order it was recorded.
-pub async fn events(pool: &PgPool, key: &str) -> Result<Vec<EventRow>, sqlx::Error> {
+/// The evidence of `account`'s row of `key`, in the order it was recorded.
+pub async fn events(pool: &PgPool, key: &str, account: &str) -> Result<Vec<EventRow>, sqlx::Error> {
     sqlx::query_as(
         r#"SELECT kind, replica, attempt, evidence, decision, state_after, at
-             FROM handoff_consumer.crm_event WHERE operation_key = $1 ORDER BY id"#,
+             FROM handoff_consumer.crm_event WHERE operation_key = $1 AND account = $2 ORDER BY id"#,
     )
     .bind(key)
+    .bind(account)
     .fetch_all(pool)
     .await
 }
 
-/// One key's operator resolutions, oldest first.
-pub async fn audit_trail(pool: &PgPool, key: &str) -> Result<Vec<AuditRow>, sqlx::Error> {
+/// The operator resolutions of `account`'s row of `key`, oldest first, with the key's actions that
+/// name no account (conflicts, dead letters).
+pub async fn audit_trail(pool: &PgPool, key: &str, account: &str) -> Result<Vec<AuditRow>, sqlx::Error> {
     sqlx::query_as(
-        r#"SELECT actor, action, reason, receipt, at FROM handoff_consumer.audit WHERE operation_key = $1 ORDER BY id"#,
+        r#"SELECT actor, action, reason, receipt, at FROM handoff_consumer.audit
+            WHERE operation_key = $1 AND (account IS NULL OR account = $2) ORDER BY id"#,
     )
     .bind(key)
+    .bind(account)
     .fetch_all(pool)
     .await
 }
 
-/// Locks a key's rows for an operator's resolution: per account, its state and whether a
-/// replica's lease still holds it. Empty when the key has no ledger row.
+/// Locks a key's rows, one per account, for an operator's resolution: per account, its state and
+/// whether a replica's lease still holds it. Empty when the key has no ledger row.
 pub async fn lock_for_resolution(
     conn: &mut PgConnection,
     key: &str,
@@ -521,6 +525,8 @@ pub async fn apply_resolution(
 #[derive(Debug, Clone, Copy)]
 pub struct Audit<'a> {
     pub key: Option<&'a str>,
+    /// The destination account of the ledger row acted on (ledger resolutions only).
+    pub account: Option<&'a str>,
     pub action_type: Option<&'a str>,
     pub actor: &'a str,
     pub action: &'a str,
@@ -531,20 +537,20 @@ pub struct Audit<'a> {
 impl<'a> Audit<'a> {
     /// An action on one key.
     pub fn on_key(key: &'a str, actor: &'a str, action: &'a str, reason: &'a str) -> Self {
-        Self { key: Some(key), action_type: None, actor, action, reason, receipt: None }
+        Self { key: Some(key), account: None, action_type: None, actor, action, reason, receipt: None }
     }
 
     /// An action on a whole action type (pause, resume).
     pub fn on_type(action_type: &'a str, actor: &'a str, action: &'a str, reason: &'a str) -> Self {
-        Self { key: None, action_type: Some(action_type), actor, action, reason, receipt: None }
+        Self { key: None, account: None, action_type: Some(action_type), actor, action, reason, receipt: None }
     }
 }
 
 /// Appends an audit row (actor and reason trimmed; never updated or deleted).
 pub async fn insert_audit(conn: &mut PgConnection, audit: &Audit<'_>) -> Result<(), sqlx::Error> {
     sqlx::query(
-        r#"INSERT INTO handoff_consumer.audit (operation_key, action_type, actor, action, reason, receipt)
-           VALUES ($1, $2, $3, $4, $5, $6)"#,
+        r#"INSERT INTO handoff_consumer.audit (operation_key, action_type, actor, action, reason, receipt, account)
+           VALUES ($1, $2, $3, $4, $5, $6, $7)"#,
     )
     .bind(audit.key)
     .bind(audit.action_type)
@@ -552,6 +558,7 @@ pub async fn insert_audit(conn: &mut PgConnection, audit: &Audit<'_>) -> Result<
     .bind(audit.action)
     .bind(audit.reason.trim())
     .bind(audit.receipt)
+    .bind(audit.account)
     .execute(&mut *conn)
     .await?;
     Ok(())

@@ -435,7 +435,7 @@ async fn operators_resolve_by_receipt_or_by_approving_one_new_attempt_with_audit
 
     // The person finds the lost task in the CRM and records its receipt.
     let task_id = sim.sim.report().await.unwrap().tasks[0].task_id.clone();
-    review::resolve_with_receipt(&env.consumer_db, lost, &task_id, "ops-ana", "found in CRM by external id")
+    review::resolve_with_receipt(&env.consumer_db, lost, None, &task_id, "ops-ana", "found in CRM by external id")
         .await
         .unwrap();
     // The other was never stored (the CRM shows no task for it): one new attempt is approved.
@@ -443,6 +443,7 @@ async fn operators_resolve_by_receipt_or_by_approving_one_new_attempt_with_audit
     review::approve_new_attempt(
         &env.consumer_db,
         never_sent,
+        None,
         "ops-ana",
         "CRM has no task for the key; checked by hand",
     )
@@ -452,15 +453,15 @@ async fn operators_resolve_by_receipt_or_by_approving_one_new_attempt_with_audit
 
     // Refusals change nothing: no actor, or a row that is already decided.
     assert!(matches!(
-        review::approve_new_attempt(&env.consumer_db, lost, "ops-ana", "again").await,
+        review::approve_new_attempt(&env.consumer_db, lost, None, "ops-ana", "again").await,
         Err(review::ReviewError::NotResolvable { .. })
     ));
     assert!(matches!(
-        review::resolve_with_receipt(&env.consumer_db, never_sent, "T-1", " ", "x").await,
+        review::resolve_with_receipt(&env.consumer_db, never_sent, None, "T-1", " ", "x").await,
         Err(review::ReviewError::Missing("actor"))
     ));
 
-    let history = review::history(&env.consumer_db, lost).await.unwrap();
+    let history = review::history(&env.consumer_db, lost, None).await.unwrap();
     assert_eq!(history.operation.state, LedgerState::Settled);
     assert_eq!(history.operation.receipt_ref.as_deref(), Some(task_id.as_str()));
     assert_eq!(history.audit.len(), 1);
@@ -832,7 +833,8 @@ async fn the_producers_trace_context_travels_through_the_stream_to_the_crm() {
 /// Seed 004: the ledger is unique per (destination account, operation key). The same key recorded
 /// for two accounts is two rows; each account's dispatcher works only its own, so a lookup in one
 /// account never settles or "proves absent" the other; an operator asking about the key is told
-/// it lives in both.
+/// it lives in both, and resolves one of them by naming its account (`handoff-admin resolve
+/// --account`, run as a process), which leaves the other as it was.
 #[tokio::test]
 async fn the_ledger_is_unique_per_account_and_key_and_each_account_is_proven_on_its_own() {
     use handoff_consumer::Crm;
@@ -892,7 +894,65 @@ async fn the_ledger_is_unique_per_account_and_key_and_each_account_is_proven_on_
             .await
             .unwrap();
     assert_eq!(events, [handoff_tests::remote::ACCOUNT], "evidence belongs to the account it was made in");
-    let error = review::history(&env.consumer_db, KEY).await.unwrap_err().to_string();
+    let error = review::history(&env.consumer_db, KEY, None).await.unwrap_err().to_string();
     assert!(error.contains("several accounts") && error.contains("harbor-crm-eu"), "{error}");
     assert_eq!(sim.effects().await.unwrap(), 1);
+
+    // The EU account's row waits for a person (its CRM is not played here).
+    sqlx::query("UPDATE handoff_consumer.crm_operation SET state = 'review' WHERE operation_key = $1 AND account = 'harbor-crm-eu'")
+        .bind(KEY)
+        .execute(&env.consumer_db)
+        .await
+        .unwrap();
+    let ledger = || async {
+        sqlx::query_as::<_, (String, LedgerState, Option<String>)>(
+            "SELECT account, state, crm_task_id FROM handoff_consumer.crm_operation WHERE operation_key = $1 ORDER BY account",
+        )
+        .bind(KEY)
+        .fetch_all(&env.consumer_db)
+        .await
+        .unwrap()
+    };
+    let before = ledger().await;
+    let resolve = |account: Option<&'static str>| {
+        let mut args =
+            vec!["resolve", KEY, "--receipt", "EU-77", "--actor", "ops-ana", "--reason", "found in the EU CRM"];
+        if let Some(account) = account {
+            args.extend(["--account", account]);
+        }
+        let env = &env;
+        async move { env.admin(&args).await.unwrap() }
+    };
+    // Without --account, or with an account the key never went to: refused, naming the accounts, nothing changed.
+    let refused = resolve(None).await.expect_code(1).unwrap().stderr;
+    assert!(
+        refused.contains("several accounts") && refused.contains("--account") && refused.contains("harbor-crm-eu"),
+        "{refused}"
+    );
+    let refused = resolve(Some("harbor-crm-us")).await.expect_code(1).unwrap().stderr;
+    assert!(refused.contains("no ledger row in account harbor-crm-us"), "{refused}");
+    assert_eq!(ledger().await, before);
+    // With it: that account's row only.
+    resolve(Some("harbor-crm-eu")).await.expect_code(0).unwrap();
+    let after = ledger().await;
+    assert_eq!(after[0], before[0], "the other account's row is untouched");
+    assert_eq!(after[1], ("harbor-crm-eu".to_owned(), LedgerState::Settled, Some("EU-77".to_owned())));
+    let audit: Vec<Option<String>> =
+        sqlx::query_scalar("SELECT account FROM handoff_consumer.audit WHERE operation_key = $1")
+            .bind(KEY)
+            .fetch_all(&env.consumer_db)
+            .await
+            .unwrap();
+    assert_eq!(audit, [Some("harbor-crm-eu".to_owned())]);
+    // Each account's history holds its own evidence and resolutions.
+    let eu = review::history(&env.consumer_db, KEY, Some("harbor-crm-eu")).await.unwrap();
+    assert_eq!((eu.audit.len(), eu.events.iter().filter(|e| e.kind == "operator").count()), (1, 1));
+    let home = review::history(&env.consumer_db, KEY, Some(handoff_tests::remote::ACCOUNT)).await.unwrap();
+    assert!(home.audit.is_empty() && home.events.iter().all(|e| e.kind != "operator"), "{home:?}");
+    // `explain` shows both rows and a verdict per account.
+    let shown = env.admin(&["explain", KEY, "--no-stream"]).await.unwrap().expect_code(0).unwrap().stdout;
+    assert!(shown.contains("verdict: sent to 2 accounts"), "{shown}");
+    assert!(shown.contains("account harbor-crm-eu: settled in the remote CRM: task EU-77"), "{shown}");
+    assert!(shown.contains("[harbor-crm-eu] operator"), "{shown}");
+    assert_eq!(sim.effects().await.unwrap(), 1, "an operator's resolution calls no CRM");
 }
