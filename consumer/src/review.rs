@@ -342,21 +342,17 @@ pub async fn consumer_record(pool: &PgPool, key: &str) -> Result<ConsumerRecord,
     .bind(key)
     .fetch_all(pool)
     .await?;
-    // The ledger's history already carries its resolutions; these are the others (conflicts,
-    // dead letters, pauses).
-    let audit = if !ledger.is_empty() {
-        Vec::new()
-    } else {
-        sqlx::query_as(
-            r#"SELECT actor, action, reason, receipt, at FROM handoff_consumer.audit
-                WHERE operation_key = $1
-                   OR action_type = split_part($1, ':', 1) || ':' || split_part($1, ':', 2)
-                ORDER BY id"#,
-        )
-        .bind(key)
-        .fetch_all(pool)
-        .await?
-    };
+    // Each ledger history carries its own account's resolutions; these are the others (conflicts,
+    // dead letters, pauses of the key's action type), shown once whatever the accounts.
+    let audit = sqlx::query_as(
+        r#"SELECT actor, action, reason, receipt, at FROM handoff_consumer.audit
+            WHERE account IS NULL
+              AND (operation_key = $1 OR action_type = split_part($1, ':', 1) || ':' || split_part($1, ':', 2))
+            ORDER BY id"#,
+    )
+    .bind(key)
+    .fetch_all(pool)
+    .await?;
     Ok(ConsumerRecord { inbox, task, ledger, conflicts, dead_letters, audit })
 }
 

@@ -463,12 +463,12 @@ pub async fn events(pool: &PgPool, key: &str, account: &str) -> Result<Vec<Event
     .await
 }
 
-/// The operator resolutions of `account`'s row of `key`, oldest first, with the key's actions that
-/// name no account (conflicts, dead letters).
+/// The operator resolutions of `account`'s row of `key`, oldest first. A key's actions that name
+/// no account (conflicts, dead letters, pauses) are not a ledger row's: see `review::consumer_record`.
 pub async fn audit_trail(pool: &PgPool, key: &str, account: &str) -> Result<Vec<AuditRow>, sqlx::Error> {
     sqlx::query_as(
         r#"SELECT actor, action, reason, receipt, at FROM handoff_consumer.audit
-            WHERE operation_key = $1 AND (account IS NULL OR account = $2) ORDER BY id"#,
+            WHERE operation_key = $1 AND account = $2 ORDER BY id"#,
     )
     .bind(key)
     .bind(account)

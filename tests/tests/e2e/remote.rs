@@ -949,8 +949,19 @@ async fn the_ledger_is_unique_per_account_and_key_and_each_account_is_proven_on_
     assert_eq!((eu.audit.len(), eu.events.iter().filter(|e| e.kind == "operator").count()), (1, 1));
     let home = review::history(&env.consumer_db, KEY, Some(handoff_tests::remote::ACCOUNT)).await.unwrap();
     assert!(home.audit.is_empty() && home.events.iter().all(|e| e.kind != "operator"), "{home:?}");
-    // `explain` shows both rows and a verdict per account.
+    // An action on the key that names no account (a conflict's resolution) belongs to neither row.
+    sqlx::query(
+        "INSERT INTO handoff_consumer.audit (operation_key, actor, action, reason) VALUES ($1, 'ops-bo', 'resolve_conflict', 'conflict checked')",
+    )
+    .bind(KEY)
+    .execute(&env.consumer_db)
+    .await
+    .unwrap();
+    // `explain` shows both rows and a verdict per account, and the key's own actions once.
     let shown = env.admin(&["explain", KEY, "--no-stream"]).await.unwrap().expect_code(0).unwrap().stdout;
+    assert_eq!(shown.matches("resolve_conflict by ops-bo").count(), 1, "{shown}");
+    // The resolution shows as the EU row's event and its audit line, never under the other account.
+    assert!(!shown.contains("[harbor-crm] operator") && !shown.contains("[harbor-crm] record_receipt"), "{shown}");
     assert!(shown.contains("verdict: sent to 2 accounts"), "{shown}");
     assert!(shown.contains("account harbor-crm-eu: settled in the remote CRM: task EU-77"), "{shown}");
     assert!(shown.contains("[harbor-crm-eu] operator"), "{shown}");
