@@ -31,6 +31,9 @@ pub struct QueueRow {
     pub queue: Queue,
     /// The operation key (or, for a dead letter without a readable key, its message id or `-`).
     pub operation_key: String,
+    /// The destination account (ledger rows: the ledger is unique per account and key, so one key
+    /// may be in a queue once per account; `resolve --account` names it).
+    pub account: Option<String>,
     /// The row's own id where the queue has one (conflicts, dead letters).
     pub id: Option<i64>,
     pub attempts: Option<i64>,
@@ -58,6 +61,7 @@ pub async fn list(consumer: Option<&PgPool>, producer: Option<&PgPool>, queues: 
                     rows.push(QueueRow {
                         queue,
                         operation_key: r.operation_key,
+                        account: Some(r.account),
                         id: None,
                         attempts: Some(r.attempts.into()),
                         receipt_ref: r.receipt_ref,
@@ -71,6 +75,7 @@ pub async fn list(consumer: Option<&PgPool>, producer: Option<&PgPool>, queues: 
                     rows.push(QueueRow {
                         queue,
                         operation_key: r.operation_key,
+                        account: None,
                         id: Some(r.id),
                         attempts: None,
                         receipt_ref: None,
@@ -84,6 +89,7 @@ pub async fn list(consumer: Option<&PgPool>, producer: Option<&PgPool>, queues: 
                     rows.push(QueueRow {
                         queue,
                         operation_key: r.message_id.unwrap_or_else(|| "-".into()),
+                        account: None,
                         id: Some(r.id),
                         attempts: Some(r.deliveries),
                         receipt_ref: None,
@@ -99,6 +105,7 @@ pub async fn list(consumer: Option<&PgPool>, producer: Option<&PgPool>, queues: 
                     rows.push(QueueRow {
                         queue,
                         operation_key: r.operation_key,
+                        account: None,
                         id: None,
                         attempts: Some(r.attempts.into()),
                         receipt_ref: None,
@@ -118,9 +125,10 @@ pub fn render(rows: &Vec<QueueRow>) -> String {
     for r in rows {
         let queue = serde_json::to_value(r.queue).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
         out += &format!(
-            "{:<12} {:<48} {}attempts={} receipt={} {}\n",
+            "{:<12} {:<48} {}{}attempts={} receipt={} {}\n",
             queue,
             r.operation_key,
+            r.account.as_deref().map(|a| format!("account={a} ")).unwrap_or_default(),
             r.id.map(|id| format!("#{id} ")).unwrap_or_default(),
             r.attempts.map_or("-".into(), |a| a.to_string()),
             r.receipt_ref.as_deref().unwrap_or("-"),
@@ -133,16 +141,17 @@ pub fn render(rows: &Vec<QueueRow>) -> String {
     out
 }
 
-/// Export: key, queue, id, attempts, receipt ref, note, since.
+/// Export: key, account, queue, id, attempts, receipt ref, note, since.
 pub fn export(rows: &[QueueRow], format: ExportFormat) -> Result<String> {
     Ok(match format {
         ExportFormat::Json => serde_json::to_string_pretty(rows)?,
         ExportFormat::Csv => {
-            let mut out = String::from("operation_key,queue,id,attempts,receipt_ref,note,since\n");
+            let mut out = String::from("operation_key,account,queue,id,attempts,receipt_ref,note,since\n");
             for r in rows {
                 let queue = serde_json::to_value(r.queue)?.as_str().unwrap_or_default().to_owned();
                 let fields = [
                     r.operation_key.clone(),
+                    r.account.clone().unwrap_or_default(),
                     queue,
                     r.id.map(|i| i.to_string()).unwrap_or_default(),
                     r.attempts.map(|a| a.to_string()).unwrap_or_default(),

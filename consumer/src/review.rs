@@ -221,15 +221,16 @@ pub enum ExportFormat {
     Json,
 }
 
-/// Renders rows for export: key, state, attempts, receipt ref, note, created, updated.
+/// Renders rows for export: key, account, state, attempts, receipt ref, note, created, updated.
 pub fn export(rows: &[ReviewRow], format: ExportFormat) -> anyhow::Result<String> {
     Ok(match format {
         ExportFormat::Json => serde_json::to_string_pretty(rows)?,
         ExportFormat::Csv => {
-            let mut out = String::from("operation_key,state,attempts,receipt_ref,note,created_at,updated_at\n");
+            let mut out = String::from("operation_key,account,state,attempts,receipt_ref,note,created_at,updated_at\n");
             for r in rows {
                 let fields = [
                     r.operation_key.clone(),
+                    r.account.clone(),
                     r.state.to_string(),
                     r.attempts.to_string(),
                     r.receipt_ref.clone().unwrap_or_default(),

@@ -425,7 +425,7 @@ async fn operators_resolve_by_receipt_or_by_approving_one_new_attempt_with_audit
     assert_eq!(rows.len(), 2);
     let csv = review::export(&rows, review::ExportFormat::Csv).unwrap();
     let json = review::export(&rows, review::ExportFormat::Json).unwrap();
-    assert!(csv.starts_with("operation_key,state,attempts,receipt_ref,note,created_at,updated_at\n"), "{csv}");
+    assert!(csv.starts_with("operation_key,account,state,attempts,receipt_ref,note,created_at,updated_at\n"), "{csv}");
     assert!(csv.contains(lost) && csv.contains(never_sent) && csv.contains(",review,1,"), "{csv}");
     for export in [&csv, &json] {
         assert!(!export.contains(SEED_TITLE) && !export.contains("sim-token"), "{export}");
@@ -914,6 +914,13 @@ async fn the_ledger_is_unique_per_account_and_key_and_each_account_is_proven_on_
         .unwrap()
     };
     let before = ledger().await;
+    // The queue names the account of the row waiting, so a person knows what `--account` to give.
+    let listed = env.admin(&["list", "--state", "review"]).await.unwrap().expect_code(0).unwrap().stdout;
+    assert_eq!(listed.lines().count(), 1, "{listed}");
+    assert!(listed.contains(KEY) && listed.contains("account=harbor-crm-eu "), "{listed}");
+    let csv = env.admin(&["export", "--state", "review"]).await.unwrap().expect_code(0).unwrap().stdout;
+    assert!(csv.starts_with("operation_key,account,queue,"), "{csv}");
+    assert!(csv.contains(&format!("{KEY},harbor-crm-eu,review,")), "{csv}");
     let resolve = |account: Option<&'static str>| {
         let mut args =
             vec!["resolve", KEY, "--receipt", "EU-77", "--actor", "ops-ana", "--reason", "found in the EU CRM"];
