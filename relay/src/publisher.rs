@@ -298,9 +298,26 @@ pub fn is_permanent(error: &PublishError) -> bool {
     matches!(error.kind(), PublishErrorKind::MaxPayloadExceeded)
 }
 
+/// "Duplicate message id is in process" (10158): on a replicated stream, a publish whose id the
+/// leader is still replicating for an earlier publish (a retry racing its original). Retried with
+/// the same id: once the original is stored, the retry answers `duplicate: true` with its sequence.
+pub const ERR_ID_IN_PROCESS: ErrorCode = ErrorCode(10158);
+
+/// Whether JetStream answered a publish with error `code`.
+fn answered(error: &PublishError, code: ErrorCode) -> bool {
+    std::error::Error::source(error)
+        .and_then(|source| source.downcast_ref::<async_nats::jetstream::Error>())
+        .is_some_and(|e| e.error_code() == code)
+}
+
+/// Whether a publish raced an earlier one of the same id still being replicated (10158).
+pub fn is_id_in_process(error: &PublishError) -> bool {
+    answered(error, ERR_ID_IN_PROCESS)
+}
+
 /// Every value [`failure_class`] returns.
-pub const FAILURE_CLASSES: [&str; 6] =
-    ["timeout", "no_responders", "connection", "max_payload", "client_backpressure", "other"];
+pub const FAILURE_CLASSES: [&str; 7] =
+    ["timeout", "no_responders", "connection", "max_payload", "client_backpressure", "in_process", "other"];
 
 /// The `class` label of a failed publish in `handoff_relay_publish_failures_total`.
 pub fn failure_class(error: &PublishError) -> &'static str {
@@ -311,6 +328,7 @@ pub fn failure_class(error: &PublishError) -> &'static str {
         PublishErrorKind::BrokenPipe => "connection",
         PublishErrorKind::MaxPayloadExceeded => "max_payload",
         PublishErrorKind::MaxAckPending => "client_backpressure",
+        _ if is_id_in_process(error) => "in_process",
         _ => "other",
     }
 }
@@ -444,9 +462,7 @@ async fn send_batch(
 
 /// Whether a publish failed because an atomic batch held an already stored id (10201).
 pub fn is_batch_duplicate(error: &PublishError) -> bool {
-    std::error::Error::source(error)
-        .and_then(|source| source.downcast_ref::<async_nats::jetstream::Error>())
-        .is_some_and(|e| e.error_code() == ERR_BATCH_DUPLICATE)
+    answered(error, ERR_BATCH_DUPLICATE)
 }
 
 /// Publishes every message pipelined: all are sent before any PubAck is awaited, so a batch costs

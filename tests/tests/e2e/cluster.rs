@@ -169,3 +169,51 @@ async fn a_restarted_follower_catches_up_and_the_cluster_leads_on_when_the_leade
     until_done(&env, 3 * N, "tasks after the leader died").await;
     assert_exactly_once(&env, 3 * N).await;
 }
+
+/// A retry that races its original on R3 (sent while the leader still replicates the first
+/// publish of that id, as a relay's retry after a PubAck timed out in an election can be) is
+/// answered 10158 "in process". The relay treats it as a retry like any transient failure (not
+/// permanent, counted as `in_process`), and the next retry with the same id answers `duplicate`
+/// with the original's sequence: one message per key, whichever answer the race got.
+#[tokio::test]
+async fn a_retry_racing_its_original_on_r3_is_in_process_and_the_next_retry_is_a_duplicate() {
+    use handoff_relay::publisher::{self, Outgoing};
+    const PAIRS: usize = 50;
+    let env = TestEnv::start_on_cluster().await.unwrap();
+    publisher::ensure_stream(&env.js, &env.stream_settings(), false).await.unwrap();
+    let keys: Vec<String> = (1..=PAIRS).map(|n| format!("harbor:create-followup:v1:race-{n}")).collect();
+    let outgoing = |key: &String| Outgoing {
+        subject: env.subjects.for_key(&key.parse().unwrap()),
+        key: key.clone(),
+        body: "approved".into(),
+    };
+    // Each key twice, the copy right behind its original: both are sent before any PubAck is read.
+    let messages: Vec<Outgoing> = keys.iter().flat_map(|k| [outgoing(k), outgoing(k)]).collect();
+    let answers = publisher::publish_pipelined(&env.js, messages).await;
+
+    let mut in_process = 0;
+    for (key, pair) in keys.iter().zip(answers.chunks(2)) {
+        let original = pair[0].as_ref().unwrap_or_else(|e| panic!("{key}: the original failed: {e:#}"));
+        assert!(!original.duplicate, "{key}: the original is stored");
+        match &pair[1] {
+            Ok(ack) => assert_eq!((ack.duplicate, ack.sequence), (true, original.sequence), "{key}"),
+            Err(error) => {
+                assert!(publisher::is_id_in_process(error), "{key}: only 10158 may refuse the copy: {error:#}");
+                assert!(!publisher::is_permanent(error), "10158 is retried");
+                assert_eq!(publisher::failure_class(error), "in_process");
+                in_process += 1;
+                // The relay's retry: the same id again, answered with the original's sequence.
+                let retry = eventually("the retry to be answered", Duration::from_secs(30), || async {
+                    let mut answer = publisher::publish_pipelined(&env.js, vec![outgoing(key)]).await;
+                    Ok(answer.pop().and_then(Result::ok))
+                })
+                .await
+                .unwrap();
+                assert_eq!((retry.duplicate, retry.sequence), (true, original.sequence), "{key}: the retry");
+            }
+        }
+    }
+    eprintln!("{in_process} of {PAIRS} copies were answered 10158");
+    assert!(in_process > 0, "no copy of {PAIRS} raced its original: the case was not exercised");
+    assert_eq!(env.stream_messages().await.unwrap(), PAIRS as u64, "one message per key");
+}
