@@ -111,6 +111,17 @@ impl NatsCluster {
         &self.nodes
     }
 
+    /// Every node's client address becomes its container's own ([`Nats::connect_directly`]),
+    /// if the host reaches all three there; returns whether it does.
+    pub async fn connect_directly(&mut self) -> anyhow::Result<bool> {
+        for node in &mut self.nodes {
+            if !node.nats.connect_directly().await? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
     /// The node named `name` (a stream's leader, say).
     pub fn node(&self, name: &str) -> Result<&ClusterNode> {
         self.nodes.iter().find(|n| n.name == name).with_context(|| format!("no cluster node named {name}"))

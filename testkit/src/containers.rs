@@ -7,8 +7,13 @@
 //! `handoff-test/nats:2.15.1`, and its `.cargo/config.toml` names them).
 //!
 //! Ports are published on 127.0.0.1 only (the Postgres image trusts everyone) and clients
-//! always connect to `127.0.0.1:<host port>`, which also works when the tests themselves run
-//! inside a container. Containers are removed when the value is dropped.
+//! connect to `127.0.0.1:<host port>`, which also works when the tests themselves run inside a
+//! container. That path goes through docker-proxy (a userspace copy of every byte, two more
+//! context switches per round trip: measured, about a third of one core during a remote-CRM
+//! benchmark row). A benchmark can ask for the container's own address on its Docker network
+//! instead ([`Postgres::connect_directly`], [`Nats::connect_directly`]), which the host reaches
+//! without the proxy when Docker runs on this host. Containers are removed when the value is
+//! dropped.
 
 use std::{
     hash::{BuildHasher, RandomState},
@@ -79,6 +84,8 @@ impl Storage {
 pub struct Postgres {
     container: ContainerAsync<GenericImage>,
     port: u16,
+    /// Where clients connect: `127.0.0.1:<port>`, or the container's own address.
+    addr: String,
 }
 
 impl Postgres {
@@ -117,7 +124,7 @@ impl Postgres {
             image.start()
         })
         .await?;
-        let pg = Self { container, port };
+        let pg = Self { container, port, addr: format!("127.0.0.1:{port}") };
         pg.wait_until_queryable().await?;
         tracing::info!(image = %image_ref, port, elapsed_ms = started.elapsed().as_millis() as u64, "Postgres container ready");
         Ok(pg)
@@ -176,6 +183,26 @@ impl Postgres {
         self.port
     }
 
+    /// From now on, URLs name the container's address on its Docker network and Postgres's own
+    /// port, bypassing docker-proxy, if the host reaches it there (checked with a query); returns
+    /// whether it does. For servers that are not restarted (the address may change).
+    pub async fn connect_directly(&mut self) -> Result<bool> {
+        let Some(addr) = direct_addr(&self.container, POSTGRES_PORT).await else { return Ok(false) };
+        let url = format!("postgres://postgres@{addr}/postgres");
+        let answered = tokio::time::timeout(Duration::from_secs(2), async {
+            let mut conn = PgConnection::connect(&url).await?;
+            let one: i32 = sqlx::query_scalar("SELECT 1").fetch_one(&mut conn).await?;
+            conn.close().await?;
+            anyhow::Ok(one == 1)
+        })
+        .await;
+        if matches!(answered, Ok(Ok(true))) {
+            self.addr = addr;
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
     /// The underlying container, e.g. to stop or inspect it.
     pub fn container(&self) -> &ContainerAsync<GenericImage> {
         &self.container
@@ -197,7 +224,7 @@ impl Postgres {
     }
 
     fn url_for(&self, database: &str) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/{database}", self.port)
+        format!("postgres://postgres@{}/{database}", self.addr)
     }
 }
 
@@ -206,6 +233,9 @@ impl Postgres {
 pub struct Nats {
     container: ContainerAsync<GenericImage>,
     port: u16,
+    /// Where clients connect: `127.0.0.1:<port>`, or the container's own address
+    /// ([`Nats::connect_directly`]).
+    addr: String,
 }
 
 impl Nats {
@@ -310,15 +340,29 @@ impl Nats {
                 .start()
         })
         .await?;
-        let nats = Self { container, port };
+        let nats = Self { container, port, addr: format!("127.0.0.1:{port}") };
         nats.wait_until_ready().await?;
         tracing::info!(image = %image_ref, port, elapsed_ms = started.elapsed().as_millis() as u64, "NATS container ready");
         Ok(nats)
     }
 
-    /// `nats://127.0.0.1:<port>`; the same before and after [`Nats::restart`].
+    /// `nats://127.0.0.1:<port>`, the same before and after [`Nats::restart`] (or the
+    /// container's own address after [`Nats::connect_directly`]).
     pub fn url(&self) -> String {
-        format!("nats://127.0.0.1:{}", self.port)
+        format!("nats://{}", self.addr)
+    }
+
+    /// From now on, [`Nats::url`] names the container's address on its Docker network and the
+    /// server's own port, bypassing docker-proxy, if the server greets a client there; returns
+    /// whether it does. For servers that are not restarted (the address may change).
+    pub async fn connect_directly(&mut self) -> Result<bool> {
+        let Some(addr) = direct_addr(&self.container, NATS_PORT).await else { return Ok(false) };
+        let Ok(socket) = addr.parse::<std::net::SocketAddr>() else { return Ok(false) };
+        if nats_greets(socket).await {
+            self.addr = addr;
+            return Ok(true);
+        }
+        Ok(false)
     }
 
     /// The host port NATS is published on (on 127.0.0.1).
@@ -366,7 +410,7 @@ impl Nats {
     async fn wait_until_ready(&self) -> Result<()> {
         let deadline = Instant::now() + READY_TIMEOUT;
         loop {
-            if nats_greets((Ipv4Addr::LOCALHOST, self.port)).await {
+            if nats_greets((Ipv4Addr::LOCALHOST, self.port).into()).await {
                 return Ok(());
             }
             if Instant::now() >= deadline {
@@ -436,7 +480,7 @@ pub(crate) struct Placement {
 
 /// True when a NATS server at `addr` sends its `INFO {...}` greeting. (docker-proxy accepts
 /// connections before the server inside listens, so a successful connect alone says nothing.)
-async fn nats_greets(addr: (Ipv4Addr, u16)) -> bool {
+async fn nats_greets(addr: std::net::SocketAddr) -> bool {
     let attempt = async {
         let mut stream = TcpStream::connect(addr).await?;
         let mut greeting = [0u8; 5];
@@ -444,6 +488,21 @@ async fn nats_greets(addr: (Ipv4Addr, u16)) -> bool {
         std::io::Result::Ok(&greeting == b"INFO ")
     };
     matches!(tokio::time::timeout(Duration::from_secs(2), attempt).await, Ok(Ok(true)))
+}
+
+/// `<the container's IP on its Docker network>:<port>`, if Docker reports one. (testcontainers'
+/// `get_bridge_ip_address` looks the network up by the network mode, which is `default` for a
+/// container on the default bridge, and finds none.)
+async fn direct_addr(container: &ContainerAsync<GenericImage>, port: u16) -> Option<String> {
+    use testcontainers::bollard::Docker;
+    let docker = Docker::connect_with_defaults().ok()?;
+    let inspected = docker.inspect_container(container.id(), None).await.ok()?;
+    let networks = inspected.network_settings?.networks?;
+    let ip = networks
+        .values()
+        .filter_map(|endpoint| endpoint.ip_address.as_deref()?.parse::<std::net::IpAddr>().ok())
+        .find(|ip| !ip.is_unspecified())?;
+    Some(std::net::SocketAddr::new(ip, port).to_string())
 }
 
 /// Publishes every port binding on 127.0.0.1 instead of all interfaces.
