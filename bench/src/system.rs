@@ -25,9 +25,9 @@ use crate::world::{Database, Service, World, wait_for_listeners};
 const POLL: Duration = Duration::from_millis(10);
 /// How often the remote drain asks the consumer's database whether every ledger row is settled.
 const SETTLED_POLL: Duration = Duration::from_millis(50);
-/// Longest a single drain may take before the run is declared stuck.
 /// How long a drain waits for one consumer info before it looks again.
 const INFO_WAIT: Duration = Duration::from_millis(200);
+/// Longest a single drain may take before the run is declared stuck.
 const STUCK: Duration = Duration::from_secs(600);
 
 /// Counters a relay drain reads from the outbox afterwards.

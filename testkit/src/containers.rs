@@ -150,13 +150,7 @@ impl Postgres {
     async fn wait_until_queryable(&self) -> Result<()> {
         let deadline = Instant::now() + READY_TIMEOUT;
         loop {
-            let attempt = async {
-                let mut conn = PgConnection::connect(&self.admin_url()).await?;
-                let one: i32 = sqlx::query_scalar("SELECT 1").fetch_one(&mut conn).await?;
-                conn.close().await?;
-                anyhow::Ok(one)
-            };
-            match attempt.await {
+            match select_one(&self.admin_url()).await {
                 Ok(1) => return Ok(()),
                 Ok(other) => bail!("SELECT 1 returned {other}"),
                 Err(err) if Instant::now() < deadline => {
@@ -189,14 +183,7 @@ impl Postgres {
     pub async fn connect_directly(&mut self) -> Result<bool> {
         let Some(addr) = direct_addr(&self.container, POSTGRES_PORT).await else { return Ok(false) };
         let url = format!("postgres://postgres@{addr}/postgres");
-        let answered = tokio::time::timeout(Duration::from_secs(2), async {
-            let mut conn = PgConnection::connect(&url).await?;
-            let one: i32 = sqlx::query_scalar("SELECT 1").fetch_one(&mut conn).await?;
-            conn.close().await?;
-            anyhow::Ok(one == 1)
-        })
-        .await;
-        if matches!(answered, Ok(Ok(true))) {
+        if matches!(tokio::time::timeout(Duration::from_secs(2), select_one(&url)).await, Ok(Ok(1))) {
             self.addr = addr;
             return Ok(true);
         }
@@ -488,6 +475,14 @@ async fn nats_greets(addr: std::net::SocketAddr) -> bool {
         std::io::Result::Ok(&greeting == b"INFO ")
     };
     matches!(tokio::time::timeout(Duration::from_secs(2), attempt).await, Ok(Ok(true)))
+}
+
+/// What `SELECT 1` returns on a new connection to `url`.
+async fn select_one(url: &str) -> Result<i32> {
+    let mut conn = PgConnection::connect(url).await?;
+    let one: i32 = sqlx::query_scalar("SELECT 1").fetch_one(&mut conn).await?;
+    conn.close().await?;
+    Ok(one)
 }
 
 /// `<the container's IP on its Docker network>:<port>`, if Docker reports one. (testcontainers'
