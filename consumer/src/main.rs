@@ -3,7 +3,7 @@
 
 use clap::Parser;
 use handoff_consumer::config::{ConsumerConfig, CrmMode};
-use handoff_consumer::remote::dispatcher::Dispatcher;
+use handoff_consumer::remote::dispatcher::{self, Dispatcher};
 use handoff_consumer::remote::ledger::LedgerCrm;
 use handoff_consumer::{Consumer, LocalCrm};
 use handoff_shared::config::{ServiceCommand, run_healthcheck, run_migrate};
@@ -54,13 +54,14 @@ async fn run(config: ConsumerConfig) -> anyhow::Result<()> {
         CrmMode::Http => {
             let crm = config.crm.connect()?;
             let ledger = LedgerCrm { account: config.crm.account.clone() };
-            let consumer = Consumer::build(pool.clone(), client.clone(), &subscription, ledger, settings).await?;
+            let consumer = Consumer::build(pool, client.clone(), &subscription, ledger, settings).await?;
             serve_endpoint(&config, consumer.endpoint(), &token).await?;
             if config.dry_run {
                 tracing::warn!("dry run: intake is recorded and acknowledged; this replica makes no CRM call");
                 consumer.run_until_stopped(token).await?;
             } else {
-                let dispatcher = Dispatcher::new(pool, crm, config.crm.dispatch_settings()).observed_by(
+                let dispatch_pool = dispatcher::connect_pool(&config.database, "handoff-consumer-dispatch").await?;
+                let dispatcher = Dispatcher::new(dispatch_pool, crm, config.crm.dispatch_settings()).observed_by(
                     consumer.metrics(),
                     consumer.liveness(),
                     config.observe.stall_after(),

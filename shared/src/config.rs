@@ -278,7 +278,8 @@ pub struct DatabaseArgs {
     /// (the password is a secret and is never logged).
     #[arg(long = "database-url", env = "DATABASE_URL", hide_env_values = true)]
     pub url: String,
-    /// Largest number of pooled connections.
+    /// Largest number of pooled connections (a consumer with --crm http opens up to 4 more for its
+    /// dispatcher's own pool).
     #[arg(
         long = "database-max-connections",
         env = "DATABASE_MAX_CONNECTIONS",
@@ -294,6 +295,31 @@ impl fmt::Debug for DatabaseArgs {
             .field("url", &redact_url(&self.url))
             .field("max_connections", &self.max_connections)
             .finish()
+    }
+}
+
+/// How a pool's connections plan their statements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Plans {
+    /// Every execution is planned with its parameters (`plan_cache_mode = force_custom_plan`): a
+    /// generic plan cached while a table is empty keeps its full scan when the table has grown
+    /// (platform notes). What every pool uses unless it says otherwise.
+    PerExecution,
+    /// Each statement is planned once per connection (`plan_cache_mode = force_generic_plan`)
+    /// with sequential scans off (`enable_seqscan = off`), so no execution pays for planning. Only
+    /// for a pool whose every statement reaches its rows through an index by key and is written so
+    /// that its generic plan is the keyed one whatever the table's size (e.g. `key = ANY($1)`
+    /// beside a join on the key), with a test that checks those plans on an empty table.
+    OncePerConnection,
+}
+
+impl Plans {
+    /// The server settings each connection starts with.
+    fn settings(self) -> Vec<(&'static str, &'static str)> {
+        match self {
+            Plans::PerExecution => vec![("plan_cache_mode", "force_custom_plan")],
+            Plans::OncePerConnection => vec![("plan_cache_mode", "force_generic_plan"), ("enable_seqscan", "off")],
+        }
     }
 }
 
@@ -338,20 +364,30 @@ impl DatabaseArgs {
         Self { url: url.into(), max_connections: 8 }
     }
 
-    /// Opens a pool. `application_name` shows in `pg_stat_activity`; every connection uses custom
-    /// plans (see platform notes: a generic plan cached on an empty outbox keeps a full scan later).
-    /// Connections are not pinged before each use (sqlx's default doubles the round trips of
-    /// every short statement): a broken connection fails its statement, which every caller already
-    /// retries, and the pool replaces it.
+    /// Opens a pool of `--database-max-connections` connections planning every execution
+    /// ([`Plans::PerExecution`]). `application_name` shows in `pg_stat_activity`.
     pub async fn connect(&self, application_name: &str) -> anyhow::Result<PgPool> {
+        self.connect_with(application_name, Plans::PerExecution, self.max_connections).await
+    }
+
+    /// Opens a pool of `max_connections` connections planning as `plans` says. Connections are
+    /// not pinged before each use (sqlx's default doubles the round trips of every short
+    /// statement): a broken connection fails its statement, which every caller already retries,
+    /// and the pool replaces it.
+    pub async fn connect_with(
+        &self,
+        application_name: &str,
+        plans: Plans,
+        max_connections: u32,
+    ) -> anyhow::Result<PgPool> {
         let options: PgConnectOptions = self
             .url
             .parse::<PgConnectOptions>()?
             .application_name(application_name)
-            .options([("plan_cache_mode", "force_custom_plan")])
+            .options(plans.settings())
             .log_statements(tracing::log::LevelFilter::Trace);
         Ok(PgPoolOptions::new()
-            .max_connections(self.max_connections)
+            .max_connections(max_connections)
             .acquire_timeout(DEFAULT_CONNECT_TIMEOUT)
             .test_before_acquire(false)
             .connect_with(options)

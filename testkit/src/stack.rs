@@ -454,7 +454,12 @@ impl Stack {
                     Capability::ExternalId,
                     Adapter::TasksApi.default_mapping(),
                 )?;
-                let dispatcher = Dispatcher::new(consumer_pool, adapter, settings);
+                let dispatch_pool = handoff_consumer::remote::dispatcher::connect_pool(
+                    &handoff_shared::config::DatabaseArgs::plain(self.consumer_url.as_str()),
+                    "handoff-consumer-dispatch",
+                )
+                .await?;
+                let dispatcher = Dispatcher::new(dispatch_pool, adapter, settings);
                 tasks.spawn(dispatcher.run_until_stopped(token.clone()));
             }
         }

@@ -127,6 +127,66 @@ impl ClaimedOperation {
     }
 }
 
+/// The dispatcher's statements by name. Its pool plans each once per connection
+/// ([`handoff_shared::config::Plans::OncePerConnection`]), so each is written to have the keyed
+/// plan whatever the ledger's size; a test checks their generic plans on an empty ledger.
+pub const DISPATCH_STATEMENTS: [(&str, &str); 3] =
+    [("claim_due", CLAIM_DUE), ("release_unsent", RELEASE_UNSENT), ("record_many", RECORD_DECISIONS)];
+
+const CLAIM_DUE: &str = r#"
+    WITH due AS (
+        SELECT operation_key, state AS prior_state, lease_owner AS prior_owner,
+               state IN ('received', 'proved_not_executed', 'replay') AS creates,
+               first_attempt_at AS prior_first_attempt_at, last_attempt_at AS prior_last_attempt_at,
+               key_sent_at AS prior_key_sent_at, unknown_since AS prior_unknown_since
+          FROM handoff_consumer.crm_operation
+         WHERE state IN ('received', 'dispatching', 'unknown', 'proved_not_executed', 'replay')
+           AND next_attempt_at <= now()
+           AND account = $4
+           -- A paused action type's calls wait (readbacks too: an operator is looking).
+           AND NOT EXISTS (SELECT 1 FROM handoff_consumer.paused_action AS p
+                            WHERE p.action_type = split_part(operation_key, ':', 1) || ':' || split_part(operation_key, ':', 2))
+         ORDER BY next_attempt_at
+         LIMIT $1
+           FOR UPDATE SKIP LOCKED
+    ), claimed AS (
+        UPDATE handoff_consumer.crm_operation AS o
+           SET state = CASE WHEN due.creates THEN 'dispatching' ELSE 'unknown' END,
+               attempts = o.attempts + CASE WHEN due.creates THEN 1 ELSE 0 END,
+               readbacks = o.readbacks + CASE WHEN due.creates THEN 0 ELSE 1 END,
+               first_attempt_at = COALESCE(o.first_attempt_at, now()),
+               last_attempt_at = CASE WHEN due.creates THEN now() ELSE o.last_attempt_at END,
+               key_sent_at = CASE WHEN due.creates THEN COALESCE(o.key_sent_at, now()) ELSE o.key_sent_at END,
+               -- A replay continues the unknown episode; a first or proved-absent attempt starts afresh.
+               unknown_since = CASE WHEN due.prior_state IN ('received', 'proved_not_executed') THEN NULL
+                                    WHEN due.prior_state = 'dispatching' THEN now()
+                                    ELSE o.unknown_since END,
+               lease_owner = $2,
+               lease_until = now() + make_interval(secs => $3),
+               next_attempt_at = now() + make_interval(secs => $3),
+               updated_at = now()
+          FROM due
+         -- The keys again as an index condition: the plan is the keyed lookup at any table size
+         -- (see DISPATCH_STATEMENTS).
+         WHERE o.account = $4 AND o.operation_key = ANY(ARRAY(SELECT operation_key FROM due))
+           AND o.operation_key = due.operation_key
+     RETURNING o.operation_key, o.account, o.payload_hash, o.payload, due.prior_state, due.prior_owner,
+               o.attempts, o.first_attempt_at, o.last_attempt_at, o.key_sent_at, o.unknown_since,
+               now() AS db_now, o.traceparent, due.prior_first_attempt_at, due.prior_last_attempt_at,
+               due.prior_key_sent_at, due.prior_unknown_since
+    ), abandoned AS (
+        INSERT INTO handoff_consumer.crm_event (account, operation_key, kind, replica, attempt, evidence, state_after)
+        SELECT account, operation_key, 'attempt', prior_owner, attempts,
+               'abandoned: the lease of ' || COALESCE(prior_owner, 'a replica') || ' expired before it recorded attempt '
+                   || attempts || '; the request may have reached the CRM',
+               'unknown'
+          FROM claimed WHERE prior_state = 'dispatching'
+    )
+    SELECT operation_key, account, payload_hash, payload, prior_state, attempts, first_attempt_at,
+           last_attempt_at, key_sent_at, unknown_since, db_now, traceparent, prior_first_attempt_at,
+           prior_last_attempt_at, prior_key_sent_at, prior_unknown_since
+      FROM claimed"#;
+
 /// Claims up to `limit` due operations of `account` for `owner` for `lease`. A create claim
 /// (`received`, `proved_not_executed`, `replay`) counts the attempt and records its start *before*
 /// the call; an expired `dispatching` lease becomes `unknown`, because its replica may have reached
@@ -142,58 +202,25 @@ pub async fn claim_due(
     limit: i64,
     lease: Duration,
 ) -> Result<Vec<ClaimedOperation>, sqlx::Error> {
-    const CLAIM_DUE: &str = r#"
-        WITH due AS (
-            SELECT operation_key, state AS prior_state, lease_owner AS prior_owner,
-                   state IN ('received', 'proved_not_executed', 'replay') AS creates,
-                   first_attempt_at AS prior_first_attempt_at, last_attempt_at AS prior_last_attempt_at,
-                   key_sent_at AS prior_key_sent_at, unknown_since AS prior_unknown_since
-              FROM handoff_consumer.crm_operation
-             WHERE state IN ('received', 'dispatching', 'unknown', 'proved_not_executed', 'replay')
-               AND next_attempt_at <= now()
-               AND account = $4
-               -- A paused action type's calls wait (readbacks too: an operator is looking).
-               AND NOT EXISTS (SELECT 1 FROM handoff_consumer.paused_action AS p
-                                WHERE p.action_type = split_part(operation_key, ':', 1) || ':' || split_part(operation_key, ':', 2))
-             ORDER BY next_attempt_at
-             LIMIT $1
-               FOR UPDATE SKIP LOCKED
-        ), claimed AS (
-            UPDATE handoff_consumer.crm_operation AS o
-               SET state = CASE WHEN due.creates THEN 'dispatching' ELSE 'unknown' END,
-                   attempts = o.attempts + CASE WHEN due.creates THEN 1 ELSE 0 END,
-                   readbacks = o.readbacks + CASE WHEN due.creates THEN 0 ELSE 1 END,
-                   first_attempt_at = COALESCE(o.first_attempt_at, now()),
-                   last_attempt_at = CASE WHEN due.creates THEN now() ELSE o.last_attempt_at END,
-                   key_sent_at = CASE WHEN due.creates THEN COALESCE(o.key_sent_at, now()) ELSE o.key_sent_at END,
-                   -- A replay continues the unknown episode; a first or proved-absent attempt starts afresh.
-                   unknown_since = CASE WHEN due.prior_state IN ('received', 'proved_not_executed') THEN NULL
-                                        WHEN due.prior_state = 'dispatching' THEN now()
-                                        ELSE o.unknown_since END,
-                   lease_owner = $2,
-                   lease_until = now() + make_interval(secs => $3),
-                   next_attempt_at = now() + make_interval(secs => $3),
-                   updated_at = now()
-              FROM due
-             WHERE o.account = $4 AND o.operation_key = due.operation_key
-         RETURNING o.operation_key, o.account, o.payload_hash, o.payload, due.prior_state, due.prior_owner,
-                   o.attempts, o.first_attempt_at, o.last_attempt_at, o.key_sent_at, o.unknown_since,
-                   now() AS db_now, o.traceparent, due.prior_first_attempt_at, due.prior_last_attempt_at,
-                   due.prior_key_sent_at, due.prior_unknown_since
-        ), abandoned AS (
-            INSERT INTO handoff_consumer.crm_event (account, operation_key, kind, replica, attempt, evidence, state_after)
-            SELECT account, operation_key, 'attempt', prior_owner, attempts,
-                   'abandoned: the lease of ' || COALESCE(prior_owner, 'a replica') || ' expired before it recorded attempt '
-                       || attempts || '; the request may have reached the CRM',
-                   'unknown'
-              FROM claimed WHERE prior_state = 'dispatching'
-        )
-        SELECT operation_key, account, payload_hash, payload, prior_state, attempts, first_attempt_at,
-               last_attempt_at, key_sent_at, unknown_since, db_now, traceparent, prior_first_attempt_at,
-               prior_last_attempt_at, prior_key_sent_at, prior_unknown_since
-          FROM claimed"#;
     sqlx::query_as(CLAIM_DUE).bind(limit).bind(owner).bind(lease.as_secs_f64()).bind(account).fetch_all(pool).await
 }
+
+const RELEASE_UNSENT: &str = r#"
+    UPDATE handoff_consumer.crm_operation AS o
+       SET state = CASE WHEN r.creates THEN r.prior_state ELSE o.state END,
+           attempts = o.attempts - CASE WHEN r.creates THEN 1 ELSE 0 END,
+           readbacks = o.readbacks - CASE WHEN r.creates THEN 0 ELSE 1 END,
+           first_attempt_at = CASE WHEN r.creates THEN r.first_attempt_at ELSE o.first_attempt_at END,
+           last_attempt_at = CASE WHEN r.creates THEN r.last_attempt_at ELSE o.last_attempt_at END,
+           key_sent_at = CASE WHEN r.creates THEN r.key_sent_at ELSE o.key_sent_at END,
+           unknown_since = CASE WHEN r.creates THEN r.unknown_since ELSE o.unknown_since END,
+           lease_owner = NULL, lease_until = NULL, next_attempt_at = now(), updated_at = now()
+      FROM UNNEST($1::text[], $2::text[], $3::text[], $4::bool[], $5::timestamptz[], $6::timestamptz[],
+                  $7::timestamptz[], $8::timestamptz[])
+           AS r(operation_key, owner, prior_state, creates, first_attempt_at, last_attempt_at, key_sent_at,
+                unknown_since)
+     WHERE o.account = $9 AND o.operation_key = ANY($1::text[]) AND o.operation_key = r.operation_key
+       AND o.lease_owner = r.owner"#;
 
 /// Undoes claims whose call was never sent (rows a dispatcher claimed ahead of a free slot and
 /// is stopping with, or held too long to send within their lease), each only while `owner` still
@@ -205,21 +232,6 @@ pub async fn release_unsent(
     account: &str,
     claims: &[(&str, &ClaimedOperation)],
 ) -> Result<u64, sqlx::Error> {
-    const RELEASE_UNSENT: &str = r#"
-        UPDATE handoff_consumer.crm_operation AS o
-           SET state = CASE WHEN r.creates THEN r.prior_state ELSE o.state END,
-               attempts = o.attempts - CASE WHEN r.creates THEN 1 ELSE 0 END,
-               readbacks = o.readbacks - CASE WHEN r.creates THEN 0 ELSE 1 END,
-               first_attempt_at = CASE WHEN r.creates THEN r.first_attempt_at ELSE o.first_attempt_at END,
-               last_attempt_at = CASE WHEN r.creates THEN r.last_attempt_at ELSE o.last_attempt_at END,
-               key_sent_at = CASE WHEN r.creates THEN r.key_sent_at ELSE o.key_sent_at END,
-               unknown_since = CASE WHEN r.creates THEN r.unknown_since ELSE o.unknown_since END,
-               lease_owner = NULL, lease_until = NULL, next_attempt_at = now(), updated_at = now()
-          FROM UNNEST($1::text[], $2::text[], $3::text[], $4::bool[], $5::timestamptz[], $6::timestamptz[],
-                      $7::timestamptz[], $8::timestamptz[])
-               AS r(operation_key, owner, prior_state, creates, first_attempt_at, last_attempt_at, key_sent_at,
-                    unknown_since)
-         WHERE o.account = $9 AND o.operation_key = r.operation_key AND o.lease_owner = r.owner"#;
     if claims.is_empty() {
         return Ok(0);
     }
@@ -273,6 +285,39 @@ pub struct Recorded<'a> {
     pub events: &'a [Event<'a>],
 }
 
+const RECORD_DECISIONS: &str = r#"
+    WITH decision AS (
+        SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::float8[], $5::text[], $6::text[], $7::text[])
+                   AS d(operation_key, owner, state, after_s, crm_task_id, proof, note)
+    ), applied AS (
+        UPDATE handoff_consumer.crm_operation AS o
+           SET state = d.state,
+               next_attempt_at = now() + make_interval(secs => d.after_s),
+               crm_task_id = COALESCE(d.crm_task_id, o.crm_task_id),
+               proof = COALESCE(d.proof, o.proof),
+               note = d.note,
+               unknown_since = CASE WHEN d.state = 'unknown' THEN COALESCE(o.unknown_since, now())
+                                    ELSE o.unknown_since END,
+               -- Proved not executed: no key record at the destination dates from this episode.
+               key_sent_at = CASE WHEN d.state IN ('received', 'proved_not_executed') THEN NULL
+                                  ELSE o.key_sent_at END,
+               lease_owner = NULL, lease_until = NULL, updated_at = now()
+          FROM decision AS d
+         WHERE o.account = $13 AND o.operation_key = ANY($1::text[]) AND o.operation_key = d.operation_key
+           AND o.lease_owner = d.owner
+     RETURNING o.operation_key, o.state
+    ), events AS (
+        INSERT INTO handoff_consumer.crm_event
+               (account, operation_key, kind, replica, attempt, evidence, decision, state_after)
+        SELECT $13, e.operation_key, e.kind, e.replica, e.attempt, e.evidence, e.decision,
+               COALESCE(a.state, 'lease_lost')
+          FROM UNNEST($8::text[], $9::text[], $10::text[], $11::int4[], $12::text[], $14::text[])
+               WITH ORDINALITY AS e(operation_key, kind, replica, attempt, evidence, decision, n)
+          LEFT JOIN applied AS a USING (operation_key)
+         ORDER BY e.n
+    )
+    SELECT operation_key FROM applied"#;
+
 /// Records many decisions of `account`'s rows and their evidence in one statement (one round trip, one commit): each
 /// decision applies only if its lease token still holds the row. A row whose lease was lost keeps
 /// its state, but its events are still appended (state_after `lease_lost`), so the evidence of
@@ -282,37 +327,6 @@ pub struct Recorded<'a> {
 /// Events keep their order: they are inserted in array order, so ids (the event log's order per
 /// key) follow the order the dispatcher produced them in.
 pub async fn record_many(pool: &PgPool, account: &str, items: &[Recorded<'_>]) -> Result<Vec<bool>, sqlx::Error> {
-    const RECORD_DECISIONS: &str = r#"
-        WITH decision AS (
-            SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::float8[], $5::text[], $6::text[], $7::text[])
-                       AS d(operation_key, owner, state, after_s, crm_task_id, proof, note)
-        ), applied AS (
-            UPDATE handoff_consumer.crm_operation AS o
-               SET state = d.state,
-                   next_attempt_at = now() + make_interval(secs => d.after_s),
-                   crm_task_id = COALESCE(d.crm_task_id, o.crm_task_id),
-                   proof = COALESCE(d.proof, o.proof),
-                   note = d.note,
-                   unknown_since = CASE WHEN d.state = 'unknown' THEN COALESCE(o.unknown_since, now())
-                                        ELSE o.unknown_since END,
-                   -- Proved not executed: no key record at the destination dates from this episode.
-                   key_sent_at = CASE WHEN d.state IN ('received', 'proved_not_executed') THEN NULL
-                                      ELSE o.key_sent_at END,
-                   lease_owner = NULL, lease_until = NULL, updated_at = now()
-              FROM decision AS d
-             WHERE o.account = $13 AND o.operation_key = d.operation_key AND o.lease_owner = d.owner
-         RETURNING o.operation_key, o.state
-        ), events AS (
-            INSERT INTO handoff_consumer.crm_event
-                   (account, operation_key, kind, replica, attempt, evidence, decision, state_after)
-            SELECT $13, e.operation_key, e.kind, e.replica, e.attempt, e.evidence, e.decision,
-                   COALESCE(a.state, 'lease_lost')
-              FROM UNNEST($8::text[], $9::text[], $10::text[], $11::int4[], $12::text[], $14::text[])
-                   WITH ORDINALITY AS e(operation_key, kind, replica, attempt, evidence, decision, n)
-              LEFT JOIN applied AS a USING (operation_key)
-             ORDER BY e.n
-        )
-        SELECT operation_key FROM applied"#;
     if items.is_empty() {
         return Ok(Vec::new());
     }
@@ -353,7 +367,8 @@ pub async fn record_many(pool: &PgPool, account: &str, items: &[Recorded<'_>]) -
     Ok(items.iter().map(|i| applied.contains(i.operation_key)).collect())
 }
 
-/// Appends one event to `account`'s row of `operation_key`.
+/// Appends one event to `account`'s row of `operation_key`. The caller holds that row's lock in the
+/// same transaction: the event log has no foreign key to the ledger (migration `20261205000001`).
 pub async fn insert_event(
     conn: &mut PgConnection,
     account: &str,

@@ -974,3 +974,62 @@ async fn the_ledger_is_unique_per_account_and_key_and_each_account_is_proven_on_
     assert!(shown.contains("[harbor-crm-eu] operator"), "{shown}");
     assert_eq!(sim.effects().await.unwrap(), 1, "an operator's resolution calls no CRM");
 }
+
+/// The dispatcher's pool plans each statement once per connection (generic plans, sequential
+/// scans off), so each statement must reach the ledger by its keys whatever the ledger's size:
+/// checked on an empty ledger, where a generic plan is most tempted to scan an account's rows
+/// instead (it did before the statements named their keys as an index condition), and after
+/// 5,000 rows and ANALYZE (where an index or bitmap scan on the keys are both keyed).
+#[tokio::test]
+async fn the_dispatchers_statements_planned_once_reach_the_ledger_by_key_at_any_size() {
+    use handoff_consumer::remote::dispatcher::connect_pool;
+    use handoff_consumer::remote::ledger::DISPATCH_STATEMENTS;
+    use sqlx::Row;
+
+    let env = TestEnv::start().await.unwrap();
+    let database = handoff_shared::config::DatabaseArgs::plain(env.replica_url());
+    let pool = connect_pool(&database, "plan-check").await.unwrap();
+    for rows in [0, 5_000] {
+        if rows > 0 {
+            sqlx::raw_sql(
+                "INSERT INTO handoff_consumer.crm_operation (operation_key, account, payload_hash, payload)
+                 SELECT 'harbor:create-followup:v1:case-' || g, 'acct', md5(g::text), '{}'::jsonb
+                   FROM generate_series(1, 5000) AS g;
+                 ANALYZE handoff_consumer.crm_operation;",
+            )
+            .execute(&env.consumer_db)
+            .await
+            .unwrap();
+        }
+        for (name, sql) in DISPATCH_STATEMENTS {
+            let params = (1..=20).filter(|n| sql.contains(&format!("${n}"))).count();
+            let mut conn = pool.acquire().await.unwrap();
+            // The statements are the crate's own constants.
+            sqlx::raw_sql(sqlx::AssertSqlSafe(format!("PREPARE plan_check AS {sql}")))
+                .execute(&mut *conn)
+                .await
+                .unwrap();
+            let explain = format!("EXPLAIN EXECUTE plan_check({})", vec!["NULL"; params].join(", "));
+            let plan: Vec<String> = sqlx::raw_sql(sqlx::AssertSqlSafe(explain))
+                .fetch_all(&mut *conn)
+                .await
+                .unwrap()
+                .iter()
+                .map(|row| row.get::<String, _>(0).trim().to_owned())
+                .collect();
+            sqlx::raw_sql("DEALLOCATE plan_check").execute(&mut *conn).await.unwrap();
+            let shown = plan.join("\n");
+            assert!(!shown.contains("Seq Scan"), "{name} at {rows} rows scans a table:\n{shown}");
+            let by_key: Vec<usize> = (0..plan.len())
+                .filter(|&i| plan[i].contains("Scan") && plan[i].contains("crm_operation_pkey"))
+                .collect();
+            assert_eq!(by_key.len(), 1, "{name} at {rows} rows reaches the ledger once by key:\n{shown}");
+            for i in by_key {
+                assert!(
+                    plan.get(i + 1).is_some_and(|cond| cond.starts_with("Index Cond: ((operation_key = ANY")),
+                    "{name} at {rows} rows reaches the ledger's primary key without its keys:\n{shown}"
+                );
+            }
+        }
+    }
+}
