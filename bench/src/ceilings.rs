@@ -11,6 +11,8 @@
 //! * `consumer`: fetch 500 messages, insert inbox and task rows in one transaction, commit, ack
 //!   (plain or double ack).
 //! * `round_trip`: one message from publish to a waiting pull consumer: the latency yardstick.
+//! * `pipeline_round_trip`: one action from the producer's commit to the consumer's commit through
+//!   the same durable steps as the product, each minimal: the floor of the end-to-end latency.
 //! * `crm_calls`: `concurrency` callers each POSTing tasks to the CRM simulator back to back, with
 //!   the body and headers the consumer sends: what the simulator itself allows at that concurrency.
 
@@ -499,6 +501,98 @@ pub async fn round_trip(world: &mut World, samples: usize) -> Result<Vec<f64>> {
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     drop(messages);
+    world.drop_stream(&name).await;
+    Ok(millis)
+}
+
+/// The channel the bare pipeline's producer notifies and its relay loop listens on.
+const PIPELINE_CHANNEL: &str = "bare_pipeline";
+
+/// The bare producer: one outbox row and its notification, in one statement (one commit).
+const PIPELINE_INSERT: &str = r#"
+    WITH row AS (INSERT INTO bare_outbox (operation_key, payload) VALUES ($1, $2) RETURNING id)
+    SELECT pg_notify('bare_pipeline', id::text) FROM row"#;
+
+/// The floor of the end-to-end latency: one action at a time, `samples` times (spaced 2 ms apart,
+/// an idle system), through the durable steps the product takes, each as small as it can be. The
+/// producer commits an outbox row and a notification in one statement; a relay loop woken by
+/// LISTEN claims it ([`BARE_CLAIM`]), publishes it with its message id and awaits the PubAck, then
+/// marks it; a pull consumer already waiting inserts its inbox and task rows in one transaction
+/// and commits. Milliseconds from the producer's commit returning to the consumer's commit
+/// returning: two commits, a notification, a claim, a publish and a delivery, with nothing the
+/// product adds (no envelope, hash, signature, range record, verification, or other load).
+pub async fn pipeline_round_trip(world: &mut World, pool: &PgPool, samples: usize) -> Result<Vec<f64>> {
+    let name = world.unique("BPIPE");
+    let subjects = Subjects::new(name.to_lowercase())?;
+    let stream = handoff_relay::publisher::ensure_stream(
+        &world.js,
+        &stream_settings(&name, &subjects, world.profile.replicas()),
+        false,
+    )
+    .await?;
+    let stream = world.js.get_stream(&stream.config.name).await?;
+    let consumer = stream
+        .create_consumer(pull::Config {
+            durable_name: Some("pipeline".into()),
+            filter_subject: subjects.all(),
+            ack_policy: AckPolicy::Explicit,
+            ..Default::default()
+        })
+        .await?;
+    let mut messages = consumer.stream().max_messages_per_batch(100).messages().await?;
+    let subject = format!("{}.bench.create-followup", subjects.prefix());
+    let mut listener = sqlx::postgres::PgListener::connect_with(pool).await?;
+    listener.listen(PIPELINE_CHANNEL).await?;
+    let stop = CancellationToken::new();
+    let relay = {
+        let (pool, js, stop) = (pool.clone(), world.js.clone(), stop.clone());
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return anyhow::Ok(()),
+                    notification = listener.recv() => { notification?; }
+                }
+                let rows: Vec<(i64, String, String)> =
+                    sqlx::query_as(BARE_CLAIM).bind(CLAIM_BATCH).bind("pipeline").fetch_all(&pool).await?;
+                let mut acks = Vec::with_capacity(rows.len());
+                for (_, key, payload) in &rows {
+                    let publish = PublishMessage::build().payload(Bytes::from(payload.clone())).message_id(key.clone());
+                    acks.push(js.send_publish(subject.clone(), publish).await?);
+                }
+                let mut sequences = Vec::with_capacity(acks.len());
+                for ack in acks {
+                    sequences.push(ack.await?.sequence as i64);
+                }
+                let ids: Vec<i64> = rows.iter().map(|r| r.0).collect();
+                sqlx::query(BARE_MARK).bind(&ids).bind(&sequences).execute(&pool).await?;
+            }
+        })
+    };
+    let mut millis = Vec::with_capacity(samples);
+    for i in 1..=samples as i64 {
+        let key = workload::key("pipeline", i);
+        let payload = workload::payload(i);
+        sqlx::query(PIPELINE_INSERT).bind(&key).bind(&payload).execute(pool).await?;
+        let committed = Instant::now();
+        let message = tokio::time::timeout(Duration::from_secs(10), messages.next())
+            .await
+            .with_context(|| format!("the bare pipeline delivered nothing for {key} within 10 s"))?
+            .context("pull stream ended")?
+            .map_err(|e| anyhow::anyhow!(e))?;
+        let sequence = message.info().map(|i| i.stream_sequence as i64).map_err(|e| anyhow::anyhow!(e))?;
+        let body: serde_json::Value = serde_json::from_slice(&message.payload)?;
+        insert_inbox_and_tasks(pool, std::iter::once((key.as_str(), "bare", body, sequence))).await?;
+        millis.push(committed.elapsed().as_secs_f64() * 1e3);
+        message.ack().await.map_err(|e| anyhow::anyhow!(e))?;
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    stop.cancel();
+    relay.await??;
+    drop(messages);
+    let tasks: i64 = sqlx::query_scalar("SELECT count(*) FROM bare_task").fetch_one(pool).await?;
+    ensure!(tasks == samples as i64, "the bare pipeline made {tasks} tasks for {samples} actions");
+    let stored = world.stream_messages(&name).await?;
+    ensure!(stored == samples as u64, "the bare pipeline's stream holds {stored} messages for {samples} actions");
     world.drop_stream(&name).await;
     Ok(millis)
 }

@@ -4,7 +4,7 @@
 //! is a ratio to a ceiling measured in the same run: absolute numbers drift on a shared machine.
 //!
 //! * [`ceilings`]: minimal loops written for the benchmark (publish, claim+mark, inbox+task, bare
-//!   relay, bare consumer, publish->consume round trip).
+//!   relay, bare consumer, publish->consume round trip, the bare pipeline's commit->commit).
 //! * [`system`]: the real release binaries (relay drain, consumer drain, end to end).
 //! * [`plans`]: claim cost and query plans as the backlog grows.
 //! * [`reconcile`]: `handoff-admin reconcile` over a filled outbox, stream and inbox.
@@ -78,7 +78,7 @@ pub struct BenchArgs {
     /// Seconds each offered load runs.
     #[arg(long, default_value_t = 5.0)]
     pub load_secs: f64,
-    /// Messages timed for the publish->consume round trip.
+    /// Messages timed for the publish->consume round trip, and actions for the bare pipeline's.
     #[arg(long, default_value_t = 1_000)]
     pub rtt_samples: usize,
     /// Backlog sizes at which the claim is timed and explained (ascending; empty to skip).
@@ -546,6 +546,25 @@ async fn profile_rows(world: &mut World, args: &BenchArgs, full: bool, report: &
     );
     rtt_row.latency = Some(rtt_latency);
     report.rows.push(rtt_row.clone());
+    let pipeline = repeat(runs, "bare pipeline round trip", async || {
+        let db = world.database("bench_bare", 3).await?;
+        ceilings::create_bare_schema(&db.pool).await?;
+        let millis = ceilings::pipeline_round_trip(world, &db.pool, args.rtt_samples).await;
+        world.drop_database(db).await?;
+        Ok(Percentiles::of(millis?))
+    })
+    .await?;
+    let pipeline_latency = Latency::of(&pipeline);
+    let mut pipeline_row = Row::new(
+        p.name(),
+        "latency",
+        "pipeline_round_trip",
+        "yardstick: bare pipeline, commit -> claim -> publish -> inbox+task commit, idle",
+        "ms",
+        pipeline_latency.p99.clone(),
+    );
+    pipeline_row.latency = Some(pipeline_latency);
+    report.rows.push(pipeline_row.clone());
 
     // --- the real relay
     eprintln!("-- relay drains ({n} actions)");
@@ -712,7 +731,7 @@ async fn profile_rows(world: &mut World, args: &BenchArgs, full: bool, report: &
 
     // --- end to end
     if args.runs_section("e2e") {
-        e2e_rows(world, args, full, &rtt_row, report).await?;
+        e2e_rows(world, args, full, &rtt_row, &pipeline_row, report).await?;
     }
     Ok(())
 }
@@ -875,7 +894,14 @@ async fn remote_rows(world: &mut World, args: &BenchArgs, report: &mut Report) -
 }
 
 /// The end-to-end maximum (backlog) and the offered loads with their latency.
-async fn e2e_rows(world: &mut World, args: &BenchArgs, full: bool, rtt: &Row, report: &mut Report) -> Result<()> {
+async fn e2e_rows(
+    world: &mut World,
+    args: &BenchArgs,
+    full: bool,
+    rtt: &Row,
+    bare_pipeline: &Row,
+    report: &mut Report,
+) -> Result<()> {
     let p = world.profile;
     let n = if full { args.actions } else { args.durable_actions };
     let (relays, replicas) = (args.e2e_relays, args.e2e_replicas);
@@ -966,6 +992,8 @@ async fn e2e_rows(world: &mut World, args: &BenchArgs, full: bool, rtt: &Row, re
         let after_mark = Latency::of(&after_mark);
         lat_row.check("commit_to_mark_ms_p50_p99", json!([to_mark.p50.median, to_mark.p99.median]));
         lat_row.check("mark_to_task_ms_p50_p99", json!([after_mark.p50.median, after_mark.p99.median]));
+        // The same p99 against the floor of the path itself (two commits, a claim, a publish).
+        lat_row.check("p99_over_bare_pipeline_p99", latency.p99.median / bare_pipeline.value.median);
         if (load - 0.1).abs() < 1e-9 {
             let ratio = lat_row.ratio.unwrap_or(f64::INFINITY);
             lat_row.target("p99 <= 5x the bare round trip p99", ratio <= 5.0);
