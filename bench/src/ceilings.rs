@@ -466,10 +466,18 @@ pub async fn consumer(
     Ok(sample)
 }
 
-/// The latency yardstick: one message at a time from publish to a pull consumer that is already
-/// waiting, `samples` times (spaced 2 ms apart, an idle system). Milliseconds per message.
-pub async fn round_trip(world: &mut World, samples: usize) -> Result<Vec<f64>> {
-    let name = world.unique("RTT");
+/// A fresh stream of the run's profile with a durable pull consumer already pulling from it: where
+/// the latency yardsticks publish and receive.
+struct Waiting {
+    /// The stream, to drop afterwards.
+    name: String,
+    /// A subject of the stream to publish on.
+    subject: String,
+    messages: pull::Stream,
+}
+
+async fn waiting_consumer(world: &mut World, hint: &str) -> Result<Waiting> {
+    let name = world.unique(hint);
     let subjects = Subjects::new(name.to_lowercase())?;
     let stream = handoff_relay::publisher::ensure_stream(
         &world.js,
@@ -480,14 +488,21 @@ pub async fn round_trip(world: &mut World, samples: usize) -> Result<Vec<f64>> {
     let stream = world.js.get_stream(&stream.config.name).await?;
     let consumer = stream
         .create_consumer(pull::Config {
-            durable_name: Some("rtt".into()),
+            durable_name: Some("yardstick".into()),
             filter_subject: subjects.all(),
             ack_policy: AckPolicy::Explicit,
             ..Default::default()
         })
         .await?;
-    let mut messages = consumer.stream().max_messages_per_batch(100).messages().await?;
+    let messages = consumer.stream().max_messages_per_batch(100).messages().await?;
     let subject = format!("{}.bench.create-followup", subjects.prefix());
+    Ok(Waiting { name, subject, messages })
+}
+
+/// The latency yardstick: one message at a time from publish to a pull consumer that is already
+/// waiting, `samples` times (spaced 2 ms apart, an idle system). Milliseconds per message.
+pub async fn round_trip(world: &mut World, samples: usize) -> Result<Vec<f64>> {
+    let Waiting { name, subject, mut messages } = waiting_consumer(world, "RTT").await?;
     let (key, body) = workload::envelope("rtt", 1, &world.keys.signing)?;
     let mut millis = Vec::with_capacity(samples);
     for i in 0..samples {
@@ -522,25 +537,7 @@ const PIPELINE_INSERT: &str = r#"
 /// returning: two commits, a notification, a claim, a publish and a delivery, with nothing the
 /// product adds (no envelope, hash, signature, range record, verification, or other load).
 pub async fn pipeline_round_trip(world: &mut World, pool: &PgPool, samples: usize) -> Result<Vec<f64>> {
-    let name = world.unique("BPIPE");
-    let subjects = Subjects::new(name.to_lowercase())?;
-    let stream = handoff_relay::publisher::ensure_stream(
-        &world.js,
-        &stream_settings(&name, &subjects, world.profile.replicas()),
-        false,
-    )
-    .await?;
-    let stream = world.js.get_stream(&stream.config.name).await?;
-    let consumer = stream
-        .create_consumer(pull::Config {
-            durable_name: Some("pipeline".into()),
-            filter_subject: subjects.all(),
-            ack_policy: AckPolicy::Explicit,
-            ..Default::default()
-        })
-        .await?;
-    let mut messages = consumer.stream().max_messages_per_batch(100).messages().await?;
-    let subject = format!("{}.bench.create-followup", subjects.prefix());
+    let Waiting { name, subject, mut messages } = waiting_consumer(world, "BPIPE").await?;
     let mut listener = sqlx::postgres::PgListener::connect_with(pool).await?;
     listener.listen(PIPELINE_CHANNEL).await?;
     let stop = CancellationToken::new();

@@ -535,16 +535,7 @@ async fn profile_rows(world: &mut World, args: &BenchArgs, full: bool, report: &
     let rtt =
         repeat(runs, "round trip", async || Ok(Percentiles::of(ceilings::round_trip(world, args.rtt_samples).await?)))
             .await?;
-    let rtt_latency = Latency::of(&rtt);
-    let mut rtt_row = Row::new(
-        p.name(),
-        "latency",
-        "round_trip",
-        "yardstick: JetStream publish -> pull consumer, idle",
-        "ms",
-        rtt_latency.p99.clone(),
-    );
-    rtt_row.latency = Some(rtt_latency);
+    let rtt_row = yardstick_row(p, "round_trip", "yardstick: JetStream publish -> pull consumer, idle", &rtt);
     report.rows.push(rtt_row.clone());
     let pipeline = repeat(runs, "bare pipeline round trip", async || {
         let db = world.database("bench_bare", 3).await?;
@@ -554,16 +545,12 @@ async fn profile_rows(world: &mut World, args: &BenchArgs, full: bool, report: &
         Ok(Percentiles::of(millis?))
     })
     .await?;
-    let pipeline_latency = Latency::of(&pipeline);
-    let mut pipeline_row = Row::new(
-        p.name(),
-        "latency",
+    let pipeline_row = yardstick_row(
+        p,
         "pipeline_round_trip",
         "yardstick: bare pipeline, commit -> claim -> publish -> inbox+task commit, idle",
-        "ms",
-        pipeline_latency.p99.clone(),
+        &pipeline,
     );
-    pipeline_row.latency = Some(pipeline_latency);
     report.rows.push(pipeline_row.clone());
 
     // --- the real relay
@@ -1003,6 +990,14 @@ async fn e2e_rows(
     }
     pipeline.stop(world).await?;
     Ok(())
+}
+
+/// A latency yardstick's row: its p99 is the value other rows are divided by.
+fn yardstick_row(p: Profile, id: &str, label: &str, runs: &[Percentiles]) -> Row {
+    let latency = Latency::of(runs);
+    let mut row = Row::new(p.name(), "latency", id, label, "ms", latency.p99.clone());
+    row.latency = Some(latency);
+    row
 }
 
 /// The relay and consumer must stay under [`RSS_LIMIT_MIB`] (the issue states it for 100k).
