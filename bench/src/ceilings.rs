@@ -523,10 +523,10 @@ pub async fn round_trip(world: &mut World, samples: usize) -> Result<Vec<f64>> {
 /// The channel the bare pipeline's producer notifies and its relay loop listens on.
 const PIPELINE_CHANNEL: &str = "bare_pipeline";
 
-/// The bare producer: one outbox row and its notification, in one statement (one commit).
+/// The bare producer: one outbox row and its notification on `$3`, in one statement (one commit).
 const PIPELINE_INSERT: &str = r#"
     WITH row AS (INSERT INTO bare_outbox (operation_key, payload) VALUES ($1, $2) RETURNING id)
-    SELECT pg_notify('bare_pipeline', id::text) FROM row"#;
+    SELECT pg_notify($3, id::text) FROM row"#;
 
 /// The floor of the end-to-end latency: one action at a time, `samples` times (spaced 2 ms apart,
 /// an idle system), through the durable steps the product takes, each as small as it can be. The
@@ -569,7 +569,7 @@ pub async fn pipeline_round_trip(world: &mut World, pool: &PgPool, samples: usiz
     for i in 1..=samples as i64 {
         let key = workload::key("pipeline", i);
         let payload = workload::payload(i);
-        sqlx::query(PIPELINE_INSERT).bind(&key).bind(&payload).execute(pool).await?;
+        sqlx::query(PIPELINE_INSERT).bind(&key).bind(&payload).bind(PIPELINE_CHANNEL).execute(pool).await?;
         let committed = Instant::now();
         let message = tokio::time::timeout(Duration::from_secs(10), messages.next())
             .await
