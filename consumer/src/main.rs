@@ -60,7 +60,7 @@ async fn run(config: ConsumerConfig) -> anyhow::Result<()> {
                 tracing::warn!("dry run: intake is recorded and acknowledged; this replica makes no CRM call");
                 consumer.run_until_stopped(token).await?;
             } else {
-                let dispatch_pool = dispatcher::connect_pool(&config.database, "handoff-consumer-dispatch").await?;
+                let dispatch_pool = dispatcher::connect_pool(&config.database).await?;
                 let dispatcher = Dispatcher::new(dispatch_pool, crm, config.crm.dispatch_settings()).observed_by(
                     consumer.metrics(),
                     consumer.liveness(),

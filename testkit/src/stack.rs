@@ -456,7 +456,6 @@ impl Stack {
                 )?;
                 let dispatch_pool = handoff_consumer::remote::dispatcher::connect_pool(
                     &handoff_shared::config::DatabaseArgs::plain(self.consumer_url.as_str()),
-                    "handoff-consumer-dispatch",
                 )
                 .await?;
                 let dispatcher = Dispatcher::new(dispatch_pool, adapter, settings);

@@ -147,7 +147,7 @@ impl TestEnv {
     /// A dispatcher on its own pool, as another replica would have.
     pub async fn dispatcher(&self, crm: Arc<dyn RemoteCrm>, settings: DispatchSettings) -> Result<Dispatcher> {
         let database = handoff_shared::config::DatabaseArgs::plain(self.replica_url());
-        let pool = handoff_consumer::remote::dispatcher::connect_pool(&database, "handoff-consumer-dispatch").await?;
+        let pool = handoff_consumer::remote::dispatcher::connect_pool(&database).await?;
         Ok(Dispatcher::new(pool, crm, settings))
     }
 

@@ -53,13 +53,16 @@ pub const RECORD_LINGER: Duration = Duration::from_millis(5);
 /// LISTEN connection, and one for releasing unsent claims.
 pub const POOL_CONNECTIONS: u32 = 4;
 
+/// How the dispatcher's connections show in `pg_stat_activity`.
+pub const APPLICATION_NAME: &str = "handoff-consumer-dispatch";
+
 /// Opens the dispatcher's pool on the consumer's database: its statements
 /// ([`ledger::DISPATCH_STATEMENTS`]) are planned once per connection
 /// ([`Plans::OncePerConnection`]), where the consumer's other pool plans every execution. Measured
 /// at 16 calls in flight, planning the claim and record statements afresh cost ~150 µs of the
 /// database's time per message (docs/benchmarks.md).
-pub async fn connect_pool(database: &DatabaseArgs, application_name: &str) -> anyhow::Result<PgPool> {
-    database.connect_with(application_name, Plans::OncePerConnection, POOL_CONNECTIONS).await
+pub async fn connect_pool(database: &DatabaseArgs) -> anyhow::Result<PgPool> {
+    database.connect_with(APPLICATION_NAME, Plans::OncePerConnection, POOL_CONNECTIONS).await
 }
 
 /// How the dispatcher retries, reads back and gives up.

@@ -988,7 +988,7 @@ async fn the_dispatchers_statements_planned_once_reach_the_ledger_by_key_at_any_
 
     let env = TestEnv::start().await.unwrap();
     let database = handoff_shared::config::DatabaseArgs::plain(env.replica_url());
-    let pool = connect_pool(&database, "plan-check").await.unwrap();
+    let pool = connect_pool(&database).await.unwrap();
     for rows in [0, 5_000] {
         if rows > 0 {
             sqlx::raw_sql(
