@@ -12,6 +12,7 @@
 //! * [`report`]: rows, table and JSON.
 
 pub mod ceilings;
+pub mod cpus;
 pub mod measure;
 pub mod plans;
 pub mod reconcile;
@@ -110,6 +111,11 @@ pub struct BenchArgs {
     /// Adapters of the remote section, each against the simulator speaking its shape.
     #[arg(long, value_delimiter = ',', value_enum, default_value = "tasks-api,upsert,unique-property")]
     pub crm_adapters: Vec<handoff_consumer::remote::Adapter>,
+    /// Where the remote section runs the CRM simulator: `split` puts it and its Postgres server on
+    /// half of the CPUs and the caller's side (this process, the consumers, their Postgres server,
+    /// NATS) on the other half, as a remote CRM would be; `shared` lets them compete for every CPU.
+    #[arg(long, value_enum, default_value = "split")]
+    pub crm_cpus: cpus::CrmCpus,
     /// Extra environment for every relay process, KEY=VALUE (e.g. HANDOFF_RELAY_BATCH_SIZE=1000), to
     /// measure settings other than the defaults.
     #[arg(long, value_delimiter = ',')]
@@ -746,9 +752,10 @@ async fn crm_ceiling(world: &mut World, args: &BenchArgs, adapter: Adapter, call
         "ceiling",
         &format!("crm_calls{}/callers={callers}", adapter_suffix(adapter)),
         format!(
-            "ceiling: CRM simulator ({} ms), {callers} caller(s) back to back{}",
+            "ceiling: CRM simulator ({} ms), {callers} caller(s) back to back{}{}",
             args.crm_latency_ms,
-            adapter_note(adapter)
+            adapter_note(adapter),
+            world.cpu_split.as_ref().map(|split| format!(", {}", split.describe())).unwrap_or_default()
         ),
         "calls/s",
         &samples,
@@ -788,7 +795,39 @@ fn adapter_note(adapter: Adapter) -> String {
 /// that ceiling), with the latency of one call as measured (the configured delay plus the
 /// simulator's own work, which is real: it commits every task).
 async fn remote_rows(world: &mut World, args: &BenchArgs, report: &mut Report) -> Result<()> {
+    let split = match args.crm_cpus {
+        // The simulator's database is on the producer's server: on a shared server it cannot
+        // have CPUs of its own.
+        cpus::CrmCpus::Split if world.postgres.consumer.is_none() => {
+            eprintln!("   --crm-cpus split: one Postgres server (--shared-postgres); the simulator shares the CPUs");
+            None
+        }
+        cpus::CrmCpus::Split => {
+            let split = cpus::CpuSplit::of_this_process()?;
+            if split.is_none() {
+                eprintln!("   --crm-cpus split: fewer than two CPUs to split; the simulator shares them");
+            }
+            split
+        }
+        cpus::CrmCpus::Shared => None,
+    };
+    if let Some(split) = &split {
+        eprintln!("   remote CRM section: {}", split.describe());
+        split.apply(world).await?;
+    }
+    world.cpu_split = split.clone();
+    let rows = remote_rows_placed(world, args, report).await;
+    world.cpu_split = None;
+    if let Some(split) = &split {
+        split.restore(world).await?;
+    }
+    rows
+}
+
+/// [`remote_rows`] once the processes are placed.
+async fn remote_rows_placed(world: &mut World, args: &BenchArgs, report: &mut Report) -> Result<()> {
     let p = world.profile;
+    let placed = world.cpu_split.as_ref().map(|split| format!(", {}", split.describe())).unwrap_or_default();
     let latency = Duration::from_millis(args.crm_latency_ms);
     for &adapter in &args.crm_adapters {
         let name = adapter_name(adapter);
@@ -826,7 +865,7 @@ async fn remote_rows(world: &mut World, args: &BenchArgs, report: &mut Report) -
                     "consumer",
                     &format!("remote{}/replicas={replicas}/in_flight={in_flight}", adapter_suffix(adapter)),
                     format!(
-                        "consumer: remote CRM {} ms, {replicas} replica(s) x {in_flight} in flight, {items} msgs{}",
+                        "consumer: remote CRM {} ms, {replicas} replica(s) x {in_flight} in flight, {items} msgs{}{placed}",
                         args.crm_latency_ms,
                         adapter_note(adapter)
                     ),
@@ -839,6 +878,7 @@ async fn remote_rows(world: &mut World, args: &BenchArgs, report: &mut Report) -
                 .param("in_flight", in_flight)
                 .param("replicas", replicas)
                 .param("backlog", items)
+                .param("crm_cpus", world.cpu_split.as_ref().map_or("shared".to_owned(), cpus::CpuSplit::describe))
                 .against(&ceiling);
                 let bound = ideal.min(ceiling.value.median);
                 row.check("ideal_per_s", ideal);
@@ -1099,5 +1139,13 @@ mod tests {
         assert_eq!(args.plan_backlogs.0, [10_000, 200_000]);
         assert_eq!(BenchArgs::try_parse_from(["handoff-bench"]).unwrap().plan_backlogs.0, [10_000, 100_000, 1_000_000]);
         assert!(BenchArgs::try_parse_from(["handoff-bench", "--plan-backlogs", "ten"]).is_err());
+    }
+
+    #[test]
+    fn the_simulator_gets_cpus_of_its_own_unless_told_to_share() {
+        assert_eq!(BenchArgs::try_parse_from(["handoff-bench"]).unwrap().crm_cpus, cpus::CrmCpus::Split);
+        let args = BenchArgs::try_parse_from(["handoff-bench", "--crm-cpus", "shared"]).unwrap();
+        assert_eq!(args.crm_cpus, cpus::CrmCpus::Shared);
+        assert!(BenchArgs::try_parse_from(["handoff-bench", "--crm-cpus", "half"]).is_err());
     }
 }

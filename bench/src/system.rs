@@ -498,7 +498,11 @@ pub async fn start_crm_sim(
     .into_iter()
     .map(|(k, v)| (k.to_owned(), v))
     .collect();
-    let mut sim = Service::spawn("crm-sim", "handoff-crm-sim", &sim_env)?;
+    let spawn = || Service::spawn("crm-sim", "handoff-crm-sim", &sim_env);
+    let mut sim = match &world.cpu_split {
+        Some(split) => split.on_crm_cpus(spawn)?,
+        None => spawn()?,
+    };
     let ready = Instant::now();
     while tokio::net::TcpStream::connect(listen).await.is_err() {
         sim.ensure_running()?;

@@ -142,6 +142,8 @@ pub struct World {
     pub consumer_extra: Vec<(String, String)>,
     /// The key every relay signs with and every consumer verifies (in files for the processes).
     pub keys: handoff_testkit::Keys,
+    /// Where the remote section runs the CRM simulator (`--crm-cpus`), while it runs.
+    pub cpu_split: Option<crate::cpus::CpuSplit>,
     counter: u32,
 }
 
@@ -190,6 +192,7 @@ impl World {
             relay_extra: Vec::new(),
             consumer_extra: Vec::new(),
             keys: handoff_testkit::Keys::generate()?,
+            cpu_split: None,
             counter: 0,
         })
     }

@@ -458,6 +458,20 @@ async fn kill_container(id: &str) -> Result<()> {
     Ok(())
 }
 
+/// Restricts a running container to the CPUs in `cpus` (Docker's `--cpuset-cpus` syntax, e.g.
+/// `"1"` or `"0-1"`), through the Docker API testcontainers uses: a benchmark keeps a stand-in for a
+/// remote server off the CPUs of the processes it measures.
+pub async fn set_container_cpus(container: &ContainerAsync<GenericImage>, cpus: &str) -> Result<()> {
+    use testcontainers::bollard::{Docker, models::ContainerUpdateBody};
+    let docker = Docker::connect_with_defaults().context("connecting to Docker")?;
+    let update = ContainerUpdateBody { cpuset_cpus: Some(cpus.to_owned()), ..Default::default() };
+    docker
+        .update_container(container.id(), update)
+        .await
+        .with_context(|| format!("restricting container {} to CPUs {cpus}", container.id()))?;
+    Ok(())
+}
+
 /// Where a cluster node runs: its Docker network and its container name on it.
 #[derive(Debug, Clone)]
 pub(crate) struct Placement {
