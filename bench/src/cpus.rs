@@ -52,6 +52,11 @@ impl CpuSplit {
         format!("CRM on CPU {}, caller on {}", list(&self.crm), list(&self.caller))
     }
 
+    /// What a row's label adds for `split`: `, CRM on CPU 1, caller on 0`, or nothing when shared.
+    pub fn label_suffix(split: Option<&Self>) -> String {
+        split.map(|split| format!(", {}", split.describe())).unwrap_or_default()
+    }
+
     /// Puts the caller's side on its half: every thread of this process (the consumers it spawns
     /// from now on inherit it), the consumer's Postgres server and every NATS server; and the
     /// simulator's Postgres server (the producer's) on the other half.

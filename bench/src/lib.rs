@@ -755,7 +755,7 @@ async fn crm_ceiling(world: &mut World, args: &BenchArgs, adapter: Adapter, call
             "ceiling: CRM simulator ({} ms), {callers} caller(s) back to back{}{}",
             args.crm_latency_ms,
             adapter_note(adapter),
-            world.cpu_split.as_ref().map(|split| format!(", {}", split.describe())).unwrap_or_default()
+            cpus::CpuSplit::label_suffix(world.cpu_split.as_ref())
         ),
         "calls/s",
         &samples,
@@ -827,7 +827,7 @@ async fn remote_rows(world: &mut World, args: &BenchArgs, report: &mut Report) -
 /// [`remote_rows`] once the processes are placed.
 async fn remote_rows_placed(world: &mut World, args: &BenchArgs, report: &mut Report) -> Result<()> {
     let p = world.profile;
-    let placed = world.cpu_split.as_ref().map(|split| format!(", {}", split.describe())).unwrap_or_default();
+    let placed = cpus::CpuSplit::label_suffix(world.cpu_split.as_ref());
     let latency = Duration::from_millis(args.crm_latency_ms);
     for &adapter in &args.crm_adapters {
         let name = adapter_name(adapter);
