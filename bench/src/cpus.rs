@@ -3,12 +3,13 @@
 //! The CRM simulator stands in for a remote CRM, which never shares a CPU with the replica calling
 //! it. On one machine it does unless told otherwise, and then a row measures how two workloads
 //! share the cores rather than whether the replica keeps its calls in flight: at 64 calls the
-//! simulator and its database take most of the machine (session 18: 0.74x with both on two shared
-//! cores; the same dispatcher 0.99x with the simulator on a CPU of its own). With `split`, the
-//! simulator and its Postgres server run on the upper half of the CPUs this process may use, and
-//! everything on the caller's side (this process, whose loop is the ceilings' caller, the
-//! consumers, their Postgres server and NATS) on the lower half, for the ceilings and the drains
-//! alike; afterwards every container gets all of them back.
+//! simulator and its database take most of the machine (tasks-api at 64 in flight: 0.74x with both
+//! on two shared cores in session 18; the same dispatcher 0.99x with the simulator on a CPU of its
+//! own in session 19, docs/benchmarks.md). With `split`, the simulator and its Postgres server run
+//! on the upper half of the CPUs this process may use, and everything on the caller's side (this
+//! process, whose loop is the ceilings' caller, the consumers, their Postgres server and NATS) on
+//! the lower half, for the ceilings and the drains alike; afterwards every container gets all of
+//! them back.
 
 use anyhow::{Context, Result, bail};
 use nix::sched::{CpuSet, sched_getaffinity, sched_setaffinity};
