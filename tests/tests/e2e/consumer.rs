@@ -60,6 +60,36 @@ async fn a_consumer_dying_after_its_commit_and_before_its_ack_creates_no_second_
     assert_eq!(env.consumer_counts().await.unwrap().inbox, 1);
 }
 
+/// A replica does not wait for each ack's confirmation, but its batch's acks have reached the
+/// server when the batch is handled: a replica dropped right after its batch (its connection gone,
+/// nothing left to send them) leaves nothing to redeliver.
+#[tokio::test]
+async fn a_replica_dropped_right_after_its_batch_has_delivered_its_acks() {
+    let env = TestEnv::start().await.unwrap();
+    let relay = env.relay(env.relay_settings()).await.unwrap();
+    for case in ["case-104", "case-105", "case-106"] {
+        env.approve(case, SEED_TITLE).await.unwrap();
+    }
+    assert_eq!(relay.publish_batch().await.unwrap().published, 3);
+
+    let first = env.consumer(env.consumer_settings()).await.unwrap();
+    let handled = first.fetch_and_handle(WAIT).await.unwrap();
+    assert_eq!(handled.len(), 3);
+    assert!(handled.iter().all(|h| matches!(h, Handled::Created { .. })), "{handled:?}");
+    drop(first);
+
+    // Three times ack_wait (1 s in tests): a message whose ack never reached the server is
+    // redelivered within this fetch.
+    let other = env.consumer(env.consumer_settings()).await.unwrap();
+    assert_eq!(other.fetch_and_handle(Duration::from_secs(3)).await.unwrap(), []);
+    let durable = env.subscription().durable_name;
+    let mut consumer: async_nats::jetstream::consumer::PullConsumer =
+        env.js.get_consumer_from_stream(&durable, &env.stream).await.unwrap();
+    let info = consumer.info().await.unwrap();
+    assert_eq!((info.num_ack_pending, info.num_redelivered, info.num_pending), (0, 0, 0));
+    assert_eq!(env.tasks().await.unwrap(), 3);
+}
+
 #[tokio::test]
 async fn a_crm_store_holding_different_content_for_the_key_records_a_conflict_and_no_second_task() {
     let env = TestEnv::start().await.unwrap();
