@@ -382,7 +382,8 @@ pub async fn relay(world: &mut World, pool: &PgPool, n: i64, workers: usize) -> 
 
 /// The bare consumer: `workers` loops on one durable, each on its own connection, fetching up to
 /// 500 messages, inserting inbox and task rows in one transaction, then acking each message
-/// (plain acks, as the real consumer sends them; `double_ack` waits for each confirmation instead).
+/// (plain acks like the real consumer's, without its flush; `double_ack` waits for each
+/// confirmation instead).
 pub async fn consumer(
     world: &mut World,
     pool: &PgPool,

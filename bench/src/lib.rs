@@ -517,8 +517,8 @@ async fn profile_rows(world: &mut World, args: &BenchArgs, full: bool, report: &
             sample
         })
         .await?;
-        // The compared ceiling acks as the consumer does (plain acks, see `settle` in the
-        // consumer); the double-ack row shows what waiting for each confirmation would cost.
+        // The compared ceiling sends plain acks like the consumer's (`settle` in the consumer,
+        // without its flush); the double-ack row shows what waiting for each confirmation costs.
         let id = if double_ack {
             format!("bare_consumer_double_ack/workers={workers}")
         } else {

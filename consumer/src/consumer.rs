@@ -624,30 +624,41 @@ impl<C: Crm + 'static> Consumer<C> {
         self.settle(&acks).await;
     }
 
-    /// Sends each ack of its kind, then flushes the connection once: when this returns, the server
-    /// has read every ack (a ping answered after them), without waiting for each ack's own
-    /// confirmation. The commit before it is what makes a message done: a lost or refused ack only
-    /// means a redelivery after `ack_wait`, which the inbox turns into a duplicate (acked again),
-    /// so a confirmation would protect nothing. Waiting for one per message (a double ack) stalled
-    /// the replica's next batch behind the acks' raft commit on a cluster: 3 replicas on the
-    /// 3-node R3 profile drained 9,855 msg/s with double acks and 22,669 without (docs/benchmarks.md,
-    /// "Acks without a confirmation each"). A replayed dead letter has no broker message: nothing
-    /// to send.
+    /// Sends each ack of its kind, then flushes the connection once (bounded by
+    /// [`ACK_FLUSH_TIMEOUT`]): when this returns the acks have been written to the connection, and
+    /// a replica dropped right after a batch does not take them with it. It does not wait for each
+    /// ack's confirmation: the commit before it is what makes a message done, and a lost or refused
+    /// ack only means a redelivery after `ack_wait`, which the inbox turns into a duplicate (acked
+    /// again). Waiting for the confirmations (double acks) held the next batch behind the acks'
+    /// raft commit on a cluster (docs/benchmarks.md, "Acks without a confirmation each"). A
+    /// replayed dead letter has no broker message: nothing to send.
     async fn settle(&self, acks: &[(Option<&Message>, AckKind)]) {
-        let mut sent = 0;
+        let (mut sent, mut failed, mut last_error) = (0, 0, None);
         for (message, kind) in acks {
             let Some(message) = message else { continue };
             match message.ack_with(*kind).await {
                 Ok(()) => sent += 1,
-                Err(error) => {
-                    tracing::warn!(error = %error_chain(error.as_ref()), "ack not sent; the message will be redelivered")
-                }
+                Err(error) => (failed, last_error) = (failed + 1, Some(error_chain(error.as_ref()))),
             }
         }
-        if sent > 0
-            && let Err(error) = self.client.flush().await
-        {
-            tracing::warn!(error = %error_chain(&error), acks = sent, "acks not flushed; their messages may be redelivered");
+        if let Some(error) = last_error {
+            tracing::warn!(%error, acks = failed, "acks not sent; their messages will be redelivered");
+        }
+        if sent == 0 {
+            return;
+        }
+        match tokio::time::timeout(ACK_FLUSH_TIMEOUT, self.client.flush()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => tracing::warn!(
+                error = %error_chain(&error),
+                acks = sent,
+                "acks not written; their messages may be redelivered"
+            ),
+            Err(_) => tracing::warn!(
+                acks = sent,
+                timeout_s = ACK_FLUSH_TIMEOUT.as_secs(),
+                "acks not written in time (is NATS reachable?); their messages may be redelivered"
+            ),
         }
     }
 
@@ -772,6 +783,11 @@ impl<C: Crm + 'static> Consumer<C> {
         }
     }
 }
+
+/// How long a batch's acks may take to be written to the connection before the replica moves on
+/// (during a NATS outage the client holds them until it reconnects). The same bound the client
+/// put on each double ack's confirmation before the acks stopped waiting for one.
+const ACK_FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Dead letters replayed per pass.
 const REPLAY_BATCH: i64 = 100;
