@@ -624,8 +624,8 @@ impl<C: Crm + 'static> Consumer<C> {
         self.settle(&acks).await;
     }
 
-    /// Sends each ack of its kind, then flushes the connection once (bounded by
-    /// [`ACK_FLUSH_TIMEOUT`]): when this returns the acks have been written to the connection, and
+    /// Sends each ack of its kind, then flushes the connection the messages came in on once
+    /// (bounded by [`ACK_FLUSH_TIMEOUT`]): when this returns the acks have been written to it, and
     /// a replica dropped right after a batch does not take them with it. It does not wait for each
     /// ack's confirmation: the commit before it is what makes a message done, and a lost or refused
     /// ack only means a redelivery after `ack_wait`, which the inbox turns into a duplicate (acked
@@ -633,21 +633,19 @@ impl<C: Crm + 'static> Consumer<C> {
     /// raft commit on a cluster (docs/benchmarks.md, "Acks without a confirmation each"). A
     /// replayed dead letter has no broker message: nothing to send.
     async fn settle(&self, acks: &[(Option<&Message>, AckKind)]) {
-        let (mut sent, mut failed, mut last_error) = (0, 0, None);
+        let (mut sent, mut failed, mut last_error, mut connection) = (0, 0, None, None);
         for (message, kind) in acks {
             let Some(message) = message else { continue };
             match message.ack_with(*kind).await {
-                Ok(()) => sent += 1,
+                Ok(()) => (sent, connection) = (sent + 1, Some(message.context.client())),
                 Err(error) => (failed, last_error) = (failed + 1, Some(error_chain(error.as_ref()))),
             }
         }
         if let Some(error) = last_error {
             tracing::warn!(%error, acks = failed, "acks not sent; their messages will be redelivered");
         }
-        if sent == 0 {
-            return;
-        }
-        match tokio::time::timeout(ACK_FLUSH_TIMEOUT, self.client.flush()).await {
+        let Some(connection) = connection else { return };
+        match tokio::time::timeout(ACK_FLUSH_TIMEOUT, connection.flush()).await {
             Ok(Ok(())) => {}
             Ok(Err(error)) => tracing::warn!(
                 error = %error_chain(&error),
