@@ -974,6 +974,8 @@ async fn e2e_rows(
         let mut percentiles = Vec::new();
         let mut to_mark = Vec::new();
         let mut after_mark = Vec::new();
+        let mut to_consumer = Vec::new();
+        let mut consumer_tx = Vec::new();
         let mut samples = Vec::new();
         for run in 1..=args.runs {
             let t = Instant::now();
@@ -984,6 +986,8 @@ async fn e2e_rows(
             percentiles.push(Percentiles::of(latencies.total_ms));
             to_mark.push(Percentiles::of(latencies.to_mark_ms));
             after_mark.push(Percentiles::of(latencies.after_mark_ms));
+            to_consumer.push(Percentiles::of(latencies.mark_to_consumer_ms));
+            consumer_tx.push(Percentiles::of(latencies.consumer_tx_ms));
             samples.push(sample);
             eprintln!(
                 "   e2e load {:.0}%: run {run}/{} done in {:.1} s",
@@ -1021,6 +1025,10 @@ async fn e2e_rows(
         let after_mark = Latency::of(&after_mark);
         lat_row.check("commit_to_mark_ms_p50_p99", json!([to_mark.p50.median, to_mark.p99.median]));
         lat_row.check("mark_to_task_ms_p50_p99", json!([after_mark.p50.median, after_mark.p99.median]));
+        // The second half again: delivery up to the consumer's transaction, then that transaction.
+        let (to_consumer, consumer_tx) = (Latency::of(&to_consumer), Latency::of(&consumer_tx));
+        lat_row.check("mark_to_consumer_tx_ms_p50_p99", json!([to_consumer.p50.median, to_consumer.p99.median]));
+        lat_row.check("consumer_tx_ms_p50_p99", json!([consumer_tx.p50.median, consumer_tx.p99.median]));
         // The same p99 against the floor of the path itself (two commits, a claim, a publish).
         lat_row.check("p99_over_bare_pipeline_p99", latency.p99.median / bare_pipeline.value.median);
         if (load - 0.1).abs() < 1e-9 {

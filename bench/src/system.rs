@@ -220,6 +220,12 @@ pub struct Latencies {
     /// The relay's mark to the consumer's commit (delivery, consumer transaction). The two
     /// overlap slightly: the consumer may commit before the mark statement starts.
     pub after_mark_ms: Vec<f64>,
+    /// The relay's mark to the start of the consumer's transaction (the inbox row's
+    /// `received_at`): delivery, the pull, verification. Negative when the consumer started
+    /// before the relay's mark statement (it receives each message at its publish).
+    pub mark_to_consumer_ms: Vec<f64>,
+    /// The consumer's transaction, from its start to its commit (inbox, task, commit flush).
+    pub consumer_tx_ms: Vec<f64>,
     /// First producer commit to last consumer commit, seconds.
     pub span_s: f64,
 }
@@ -318,24 +324,32 @@ impl Pipeline {
         .bind(&pattern)
         .fetch_all(&self.producer.pool)
         .await?;
-        let created: HashMap<String, Option<f64>> = sqlx::query_as(
-            "SELECT operation_key, extract(epoch FROM pg_xact_commit_timestamp(xmin))::float8
-               FROM handoff_consumer.crm_task WHERE operation_key LIKE $1",
+        // The task's commit, and the start of the transaction that committed it (the inbox row's
+        // `received_at` is that transaction's `now()`).
+        let created: HashMap<String, (Option<f64>, f64)> = sqlx::query_as::<_, (String, Option<f64>, f64)>(
+            "SELECT t.operation_key, extract(epoch FROM pg_xact_commit_timestamp(t.xmin))::float8,
+                    extract(epoch FROM i.received_at)::float8
+               FROM handoff_consumer.crm_task AS t JOIN handoff_consumer.inbox AS i USING (operation_key)
+              WHERE t.operation_key LIKE $1",
         )
         .bind(&pattern)
         .fetch_all(&self.consumer.pool)
         .await?
         .into_iter()
+        .map(|(key, done, began)| (key, (done, began)))
         .collect();
         let mut out = Latencies::default();
         let (mut first, mut last) = (f64::INFINITY, f64::NEG_INFINITY);
         for (key, at, published) in recorded {
             let at = at.context("no commit timestamp: is track_commit_timestamp on?")?;
-            let done = created.get(&key).copied().flatten().with_context(|| format!("no task for {key}"))?;
+            let (done, began) = created.get(&key).copied().with_context(|| format!("no task for {key}"))?;
+            let done = done.context("no commit timestamp for the task: is track_commit_timestamp on?")?;
             out.total_ms.push((done - at) * 1e3);
+            out.consumer_tx_ms.push((done - began) * 1e3);
             if let Some(published) = published {
                 out.to_mark_ms.push((published - at) * 1e3);
                 out.after_mark_ms.push((done - published) * 1e3);
+                out.mark_to_consumer_ms.push((began - published) * 1e3);
             }
             first = first.min(at);
             last = last.max(done);
