@@ -2,7 +2,8 @@
 //! `handoff_relay::outbox`, not copies), timed and explained at each backlog size.
 //!
 //! A claim is timed whole, as the relay runs it (one statement: move the cursor, record the range,
-//! return its rows with their payloads), inside a transaction that is rolled back, so every
+//! return its rows with their payloads; on a connection with the relay workers' settings, so with
+//! the generic plan they make once), inside a transaction that is rolled back, so every
 //! repetition claims the same rows. Statistics are left to autovacuum, as in production: a backlog that arrives
 //! faster than ANALYZE must not change the plan (platform notes).
 
@@ -13,6 +14,7 @@ use anyhow::Result;
 use handoff_relay::outbox::{
     CLAIM_NEW_RANGE, CLAIM_RETRY_ROWS, DELETE_EXPIRED, DELETE_EXPIRED_RANGES, ROWS_IN_RANGE, SETTLE_RANGE,
 };
+use handoff_shared::config::Plans;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgPool, Row};
 
@@ -29,12 +31,14 @@ const FILL_CHUNK: i64 = 100_000;
 pub async fn claim_cost(world: &World, backlogs: &[i64], batch: i64) -> Result<Vec<PlanSample>> {
     let db = world.database("bench_plans", 2).await?;
     handoff_relay::SCHEMA.migrate(&db.pool).await?;
-    // The relay's session settings, so plans are the ones it gets.
-    let options = db
-        .url
-        .parse::<PgConnectOptions>()?
-        .options([("synchronous_commit", "off"), ("plan_cache_mode", "force_custom_plan")]);
-    let pool = PgPoolOptions::new().max_connections(1).connect_with(options).await?;
+    // The relay's session settings, so plans are the ones it gets: its workers' connections plan
+    // the range claim and the settle once (generic plans), the others plan every execution.
+    let connect = |plans: Plans| -> Result<_> {
+        let options = db.url.parse::<PgConnectOptions>()?.options([("synchronous_commit", "off")]);
+        Ok(PgPoolOptions::new().max_connections(1).connect_with(options.options(plans.settings())))
+    };
+    let pool = connect(Plans::PerExecution)?.await?;
+    let worker = connect(Plans::OncePerConnection)?.await?;
     let mut recorded = 0;
     let mut samples = Vec::new();
     for &backlog in backlogs {
@@ -45,45 +49,56 @@ pub async fn claim_cost(world: &World, backlogs: &[i64], batch: i64) -> Result<V
         }
         let mut millis = Vec::with_capacity(REPETITIONS);
         for _ in 0..REPETITIONS {
-            let mut tx = pool.begin().await?;
+            let mut tx = worker.begin().await?;
             let started = Instant::now();
             let rows = claim(&mut tx, batch).await?;
             millis.push(started.elapsed().as_secs_f64() * 1e3);
             tx.rollback().await?;
             anyhow::ensure!(rows.len() as i64 == batch.min(backlog), "claimed {} rows", rows.len());
         }
-        let plans = explain_all(&pool, batch).await?;
+        let plans = explain_all(&pool, &worker, batch).await?;
         let full_scans = full_scans(&plans, batch);
         samples.push(PlanSample { backlog, claim_ms: Stats::of(millis), batch, full_scans, plans });
     }
     pool.close().await;
+    worker.close().await;
     world.drop_database(db).await?;
     Ok(samples)
 }
 
-/// EXPLAIN (ANALYZE, BUFFERS) of each relay statement, each in a transaction that is rolled back.
-async fn explain_all(pool: &PgPool, batch: i64) -> Result<BTreeMap<String, String>> {
+/// EXPLAIN (ANALYZE, BUFFERS) of each relay statement, each in a transaction that is rolled back:
+/// the workers' statements on `worker` as the generic plans its connections make, the others on
+/// `pool`, planned with their parameters.
+async fn explain_all(pool: &PgPool, worker: &PgPool, batch: i64) -> Result<BTreeMap<String, String>> {
     let mut plans = BTreeMap::new();
-    let mut tx = pool.begin().await?;
+    let mut tx = worker.begin().await?;
     plans.insert(
         "claim_new_range".into(),
-        explain(&mut tx, CLAIM_NEW_RANGE, |q| q.bind(batch).bind("bench").bind(30.0).bind(true)).await?,
+        explain_generic(&mut tx, CLAIM_NEW_RANGE, &format!("{batch}, 'bench', 30.0, true")).await?,
     );
     tx.rollback().await?;
 
     // The range claimed (and rolled back) here is the one the statements below work on.
-    let mut tx = pool.begin().await?;
+    let mut tx = worker.begin().await?;
     let claimed = claim(&mut tx, batch).await?;
     let batch_id: Option<i64> = claimed.first().map(|r| r.get("batch_id"));
-    plans.insert("rows_in_range".into(), explain(&mut tx, ROWS_IN_RANGE, |q| q.bind(batch_id)).await?);
     let ids: Vec<i64> = claimed.iter().map(|r| r.get("id")).collect();
+    let ids = format!("'{{{}}}'::bigint[]", ids.iter().map(i64::to_string).collect::<Vec<_>>().join(","));
+    let range = batch_id.map_or("NULL".into(), |id| id.to_string());
     plans.insert(
         "settle".into(),
-        explain(&mut tx, SETTLE_RANGE.as_str(), |q| {
-            q.bind("BENCH").bind(ids.clone()).bind(ids.clone()).bind(Vec::<i64>::new()).bind("bench").bind(batch_id)
-        })
+        explain_generic(
+            &mut tx,
+            SETTLE_RANGE.as_str(),
+            &format!("'BENCH', {ids}, {ids}, '{{}}'::bigint[], 'bench', {range}"),
+        )
         .await?,
     );
+    // Re-claiming an expired range runs on the relay's other connections.
+    sqlx::raw_sql("SET LOCAL plan_cache_mode = force_custom_plan; SET LOCAL enable_seqscan = on")
+        .execute(&mut *tx)
+        .await?;
+    plans.insert("rows_in_range".into(), explain(&mut tx, ROWS_IN_RANGE, |q| q.bind(batch_id)).await?);
     tx.rollback().await?;
 
     let mut tx = pool.begin().await?;
@@ -119,6 +134,17 @@ async fn explain<'q>(
 ) -> Result<String> {
     let text = format!("EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) {sql}");
     let rows = bind(sqlx::query(AssertSqlSafe(text))).fetch_all(&mut **tx).await?;
+    Ok(rows.iter().map(|r| elide_arrays(&r.get::<String, _>(0))).collect::<Vec<_>>().join("\n"))
+}
+
+/// EXPLAIN (ANALYZE, BUFFERS) of `sql` prepared and executed with `args` (SQL literals): the plan
+/// the connection's plan cache chooses, which on the workers' connections is the generic one.
+async fn explain_generic(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, sql: &str, args: &str) -> Result<String> {
+    // The statements are the relay's own constants and the arguments numbers and fixed words.
+    sqlx::raw_sql(AssertSqlSafe(format!("PREPARE bench_plan AS {sql}"))).execute(&mut **tx).await?;
+    let text = format!("EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) EXECUTE bench_plan({args})");
+    let rows = sqlx::raw_sql(AssertSqlSafe(text)).fetch_all(&mut **tx).await?;
+    sqlx::raw_sql("DEALLOCATE bench_plan").execute(&mut **tx).await?;
     Ok(rows.iter().map(|r| elide_arrays(&r.get::<String, _>(0))).collect::<Vec<_>>().join("\n"))
 }
 

@@ -424,13 +424,13 @@ pub async fn claim_new_range(
     Ok(RangeClaim::Claimed(Claim { lease: Lease::Range { batch_id }, rows, more_due, held_back_by }))
 }
 
+/// [`horizon_passed`]: `$1` a transaction id, as text.
+pub const HORIZON_PASSED: &str = "SELECT pg_snapshot_xmin(pg_current_snapshot()) > $1::text::xid8";
+
 /// Whether every transaction older than `transaction_id` has ended, so rows it held back can be
 /// claimed in commit order. One tiny query: cheap enough to poll every millisecond for a while.
 pub async fn horizon_passed(pool: &PgPool, transaction_id: u64) -> Result<bool, sqlx::Error> {
-    sqlx::query_scalar("SELECT pg_snapshot_xmin(pg_current_snapshot()) > $1::text::xid8")
-        .bind(transaction_id.to_string())
-        .fetch_one(pool)
-        .await
+    sqlx::query_scalar(HORIZON_PASSED).bind(transaction_id.to_string()).fetch_one(pool).await
 }
 
 /// Hands committed rows that have waited at least `held_back` behind an older open transaction to
@@ -589,6 +589,21 @@ pub static SETTLE_RANGE_WITH_FAILURES: std::sync::LazyLock<String> = std::sync::
     SELECT EXISTS (SELECT 1 FROM released) AS held, (SELECT count(*) FROM failed) AS failed"
     )
 });
+
+/// The statements of a batch's happy path, which the relay's workers run on connections that
+/// plan each statement once ([`handoff_shared::config::Plans::OncePerConnection`]): each reaches
+/// the outbox, the approvals and the ranges through an index whatever their size, which a test
+/// checks on an empty outbox and a filled one. Every other statement is planned per execution.
+pub fn worker_statements() -> [(&'static str, &'static str); 6] {
+    [
+        ("claim_new_range", CLAIM_NEW_RANGE),
+        ("store_hashes", STORE_HASHES),
+        ("settle_range", SETTLE_RANGE.as_str()),
+        ("settle_range_with_failures", SETTLE_RANGE_WITH_FAILURES.as_str()),
+        ("settle", SETTLE),
+        ("horizon_passed", HORIZON_PASSED),
+    ]
+}
 
 /// Stores hashes the relay computed for rows recorded without one (through the SQL function):
 /// `$1` keys, `$2` hashes. Idempotent (only a missing hash is filled in), so it runs on its own

@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
+use handoff_shared::config::Plans;
 use handoff_shared::logging::{Outage, error_chain};
 use handoff_shared::migrate::MigrateMode;
 use handoff_shared::observe::{Check, Endpoint, Heartbeat, Liveness, Readiness};
@@ -222,6 +223,9 @@ pub enum RelayError {
 #[derive(Debug, Clone)]
 pub struct Relay {
     pool: PgPool,
+    /// The workers' own pool for the statements of a batch's happy path
+    /// ([`outbox::worker_statements`]), planned once per connection; one connection per worker.
+    worker_pool: PgPool,
     js: async_nats::jetstream::Context,
     /// How batches are published: [`PublishMode::Pipelined`] or [`PublishMode::Atomic`], as
     /// decided at startup from the setting, the server and the stream.
@@ -249,14 +253,21 @@ impl Relay {
     /// remembers message ids.
     ///
     /// The relay works on its own connections to the database `pool` points at (same options and
-    /// size), with two session settings:
+    /// size, and one more connection per worker), with these session settings:
     /// * `synchronous_commit = off`: every relay write is progress that can be redone (a claim, a
     ///   mark, a retention delete). If a database crash loses one, rows are published again and the
     ///   broker reports duplicates; nothing is lost, and the relay never waits for a WAL flush. Any
     ///   later synchronous commit (a producer's) flushes the relay's earlier writes with it.
-    /// * `plan_cache_mode = force_custom_plan`: a generic plan made on an empty outbox must not
-    ///   stick when a backlog arrives (platform notes; checked: the generic plan of the range claim
-    ///   made on an empty outbox is a sequential scan and a sort).
+    /// * On the pool's connections, `plan_cache_mode = force_custom_plan`: a generic plan made on
+    ///   an empty outbox must not stick when a backlog arrives (platform notes; checked: without
+    ///   `enable_seqscan = off`, the generic plan of the range claim made on an empty outbox is a
+    ///   sequential scan and a sort).
+    /// * On the workers' own connections, which run only [`outbox::worker_statements`] (the range
+    ///   claim, its settle, the horizon check), [`Plans::OncePerConnection`]: each statement is
+    ///   planned once per connection, with sequential scans off, as each reaches its rows by an
+    ///   index at any outbox size (tested on an empty outbox and a filled one). Planning the range
+    ///   claim took about as long as running it for a claim of a few rows: at low load it was half
+    ///   of the claim's time (docs/benchmarks.md).
     pub async fn build(
         pool: PgPool,
         client: async_nats::Client,
@@ -264,17 +275,19 @@ impl Relay {
         settings: RelaySettings,
     ) -> anyhow::Result<Self> {
         crate::SCHEMA.prepare(&pool, settings.migrate, "handoff-relay").await?;
-        let options = (*pool.connect_options())
-            .clone()
-            .options([("synchronous_commit", "off"), ("plan_cache_mode", "force_custom_plan")]);
-        let pool = PgPoolOptions::new()
-            .max_connections(pool.options().get_max_connections())
-            .acquire_timeout(pool.options().get_acquire_timeout())
-            // No ping before every statement (sqlx's default): it doubles the round trips of
-            // every claim and mark. A broken connection fails its statement instead, the batch
-            // is retried after a pause, and the pool replaces the connection.
-            .test_before_acquire(false)
-            .connect_lazy_with(options);
+        let base = (*pool.connect_options()).clone().options([("synchronous_commit", "off")]);
+        // No ping before every statement (sqlx's default): it doubles the round trips of every
+        // claim and mark. A broken connection fails its statement instead, the batch is retried
+        // after a pause, and the pool replaces the connection.
+        let pool_of = |size: u32, plans: Plans| {
+            PgPoolOptions::new()
+                .max_connections(size)
+                .acquire_timeout(pool.options().get_acquire_timeout())
+                .test_before_acquire(false)
+                .connect_lazy_with(base.clone().options(plans.settings()))
+        };
+        let worker_pool = pool_of(settings.workers.max(1) as u32, Plans::OncePerConnection);
+        let pool = pool_of(pool.options().get_max_connections(), Plans::PerExecution);
         let js = async_nats::jetstream::new(client.clone());
         let version = client.server_info().version;
         let atomic_possible = publisher::supports_atomic(&version);
@@ -322,6 +335,7 @@ impl Relay {
         let metrics = RelayMetrics::register(&mut registry);
         Ok(Self {
             pool,
+            worker_pool,
             js,
             mode,
             batch_counter: Arc::default(),
@@ -360,6 +374,12 @@ impl Relay {
     /// The fault hooks of this relay (tests only).
     pub fn faults(&self) -> &RelayFaults {
         &self.faults
+    }
+
+    /// The workers' pool, whose connections plan each statement once (for tests that check
+    /// those plans as the relay makes them).
+    pub fn worker_pool(&self) -> &PgPool {
+        &self.worker_pool
     }
 
     /// This relay's lease owner id.
@@ -504,7 +524,7 @@ impl Relay {
         outcome.held = failed.iter().filter(|f| f.outcome == Failure::Hold).count();
         outcome.blocked = failed.len() - outcome.retried - outcome.held;
         // Also releases a range whose rows had all been handled elsewhere (nothing to send).
-        outbox::settle(&self.pool, &self.owner, &self.stream.name, lease, &published, &failed).await?;
+        outbox::settle(&self.worker_pool, &self.owner, &self.stream.name, lease, &published, &failed).await?;
         let settled_at = Instant::now();
         match first_failure {
             Some(cause) => {
@@ -547,7 +567,7 @@ impl Relay {
         let (limit, lease) = (self.settings.batch_size, self.settings.lease);
         let mut check_priority = true;
         for _ in 0..CONTENDED_CLAIMS {
-            match outbox::claim_new_range(&self.pool, &self.owner, limit, lease, check_priority).await? {
+            match outbox::claim_new_range(&self.worker_pool, &self.owner, limit, lease, check_priority).await? {
                 RangeClaim::Claimed(claim) => return Ok(claim),
                 RangeClaim::Contended => continue,
                 RangeClaim::Priority { expired_range, due_retries } => {
@@ -929,7 +949,7 @@ impl Relay {
         let mut polls = 0;
         while started.elapsed() < limit {
             polls += 1;
-            if outbox::horizon_passed(&self.pool, transaction_id).await? {
+            if outbox::horizon_passed(&self.worker_pool, transaction_id).await? {
                 tracing::trace!(polls, waited_us = started.elapsed().as_micros() as u64, "horizon passed");
                 break;
             }

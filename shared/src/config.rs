@@ -278,8 +278,8 @@ pub struct DatabaseArgs {
     /// (the password is a secret and is never logged).
     #[arg(long = "database-url", env = "DATABASE_URL", hide_env_values = true)]
     pub url: String,
-    /// Largest number of pooled connections (a consumer with --crm http opens up to 4 more for its
-    /// dispatcher's own pool).
+    /// Largest number of pooled connections (a relay opens one more per worker for its claims and
+    /// settles, a consumer with --crm http up to 4 more for its dispatcher: pools of their own).
     #[arg(
         long = "database-max-connections",
         env = "DATABASE_MAX_CONNECTIONS",
@@ -314,8 +314,9 @@ pub enum Plans {
 }
 
 impl Plans {
-    /// The server settings each connection starts with.
-    fn settings(self) -> Vec<(&'static str, &'static str)> {
+    /// The server settings each connection starts with (a pool that derives its options from
+    /// another's appends these; the last value of a setting wins).
+    pub fn settings(self) -> Vec<(&'static str, &'static str)> {
         match self {
             Plans::PerExecution => vec![("plan_cache_mode", "force_custom_plan")],
             Plans::OncePerConnection => vec![("plan_cache_mode", "force_generic_plan"), ("enable_seqscan", "off")],

@@ -406,6 +406,19 @@ pub fn quick_relay_retries() -> Vec<(&'static str, String)> {
     ]
 }
 
+/// The plan `conn` makes for `sql` as a prepared statement, one line per element, executed with
+/// every parameter NULL: on connections that plan once ([`handoff_shared::config::Plans`]) the
+/// generic plan, which does not depend on the values. `sql` must be the crate's own constant.
+pub async fn prepared_plan(conn: &mut sqlx::PgConnection, sql: &str) -> Result<Vec<String>> {
+    use sqlx::Row;
+    let params = (1..=20).filter(|n| sql.contains(&format!("${n}"))).count();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("PREPARE plan_check AS {sql}"))).execute(&mut *conn).await?;
+    let explain = format!("EXPLAIN EXECUTE plan_check({})", vec!["NULL"; params].join(", "));
+    let plan = sqlx::raw_sql(sqlx::AssertSqlSafe(explain)).fetch_all(&mut *conn).await;
+    sqlx::raw_sql("DEALLOCATE plan_check").execute(&mut *conn).await?;
+    Ok(plan?.iter().map(|row| row.get::<String, _>(0).trim().to_owned()).collect())
+}
+
 /// Records the follow-ups of cases `first..first + n` in one statement through the SQL producer
 /// function (idempotent per key: a range recorded again changes nothing).
 pub async fn approve_range(producer: impl sqlx::PgExecutor<'_>, first: i64, n: i64) -> Result<()> {

@@ -984,7 +984,6 @@ async fn the_ledger_is_unique_per_account_and_key_and_each_account_is_proven_on_
 async fn the_dispatchers_statements_planned_once_reach_the_ledger_by_key_at_any_size() {
     use handoff_consumer::remote::dispatcher::connect_pool;
     use handoff_consumer::remote::ledger::DISPATCH_STATEMENTS;
-    use sqlx::Row;
 
     let env = TestEnv::start().await.unwrap();
     let database = handoff_shared::config::DatabaseArgs::plain(env.replica_url());
@@ -1002,22 +1001,8 @@ async fn the_dispatchers_statements_planned_once_reach_the_ledger_by_key_at_any_
             .unwrap();
         }
         for (name, sql) in DISPATCH_STATEMENTS {
-            let params = (1..=20).filter(|n| sql.contains(&format!("${n}"))).count();
             let mut conn = pool.acquire().await.unwrap();
-            // The statements are the crate's own constants.
-            sqlx::raw_sql(sqlx::AssertSqlSafe(format!("PREPARE plan_check AS {sql}")))
-                .execute(&mut *conn)
-                .await
-                .unwrap();
-            let explain = format!("EXPLAIN EXECUTE plan_check({})", vec!["NULL"; params].join(", "));
-            let plan: Vec<String> = sqlx::raw_sql(sqlx::AssertSqlSafe(explain))
-                .fetch_all(&mut *conn)
-                .await
-                .unwrap()
-                .iter()
-                .map(|row| row.get::<String, _>(0).trim().to_owned())
-                .collect();
-            sqlx::raw_sql("DEALLOCATE plan_check").execute(&mut *conn).await.unwrap();
+            let plan = handoff_tests::prepared_plan(&mut conn, sql).await.unwrap();
             let shown = plan.join("\n");
             assert!(!shown.contains("Seq Scan"), "{name} at {rows} rows scans a table:\n{shown}");
             let by_key: Vec<usize> = (0..plan.len())
