@@ -192,8 +192,11 @@ impl Row {
 #[derive(Debug, Clone, Serialize)]
 pub struct PlanSample {
     pub backlog: i64,
-    /// Milliseconds for one whole claim (lock, claim, read the rows) of `batch` rows, rolled back.
+    /// Milliseconds for one whole claim (lock, claim, read the rows) of `batch` rows, rolled back,
+    /// as the relay's workers run it (the generic plan their connections make once).
     pub claim_ms: Stats,
+    /// The same claim planned at every execution (`force_custom_plan`, as before session 21).
+    pub claim_ms_planned_each_time: Stats,
     pub batch: i64,
     /// Outbox scans that were not index scans, and sorts, found in the plans (want none).
     pub full_scans: Vec<String>,
@@ -332,12 +335,13 @@ impl Report {
             for p in &self.plans {
                 let _ = writeln!(
                     out,
-                    "  backlog {:>9}: {} ms per claim of {} rows (min {} max {}); full scans or sorts: {}",
+                    "  backlog {:>9}: {} ms per claim of {} rows (min {} max {}; planned at each claim {}); full scans or sorts: {}",
                     p.backlog,
                     human(p.claim_ms.median),
                     p.batch,
                     human(p.claim_ms.min),
                     human(p.claim_ms.max),
+                    human(p.claim_ms_planned_each_time.median),
                     if p.full_scans.is_empty() { "none".to_owned() } else { p.full_scans.join("; ") }
                 );
             }

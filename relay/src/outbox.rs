@@ -560,8 +560,8 @@ const SETTLE_RANGE_HEAD: &str = r#"
      RETURNING 1
     )"#;
 
-/// [`SETTLE_RANGE_HEAD`] alone: the happy path. A statement a fraction of the size of [`SETTLE`]
-/// is planned in a fraction of the time, and every settle is planned afresh (`force_custom_plan`).
+/// [`SETTLE_RANGE_HEAD`] alone: the happy path, a fraction of the size of [`SETTLE`] (planned once
+/// per worker connection, see [`worker_statements`]).
 pub static SETTLE_RANGE: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     format!(
         "{SETTLE_RANGE_HEAD}

@@ -224,7 +224,8 @@ pub enum RelayError {
 pub struct Relay {
     pool: PgPool,
     /// The workers' own pool for the statements of a batch's happy path
-    /// ([`outbox::worker_statements`]), planned once per connection; one connection per worker.
+    /// ([`outbox::worker_statements`]), planned once per connection; one connection per worker, at
+    /// most as many as `pool` has.
     worker_pool: PgPool,
     js: async_nats::jetstream::Context,
     /// How batches are published: [`PublishMode::Pipelined`] or [`PublishMode::Atomic`], as
@@ -253,7 +254,8 @@ impl Relay {
     /// remembers message ids.
     ///
     /// The relay works on its own connections to the database `pool` points at (same options and
-    /// size, and one more connection per worker), with these session settings:
+    /// size, and one more connection per worker, at most as many as `pool` has), with these
+    /// session settings:
     /// * `synchronous_commit = off`: every relay write is progress that can be redone (a claim, a
     ///   mark, a retention delete). If a database crash loses one, rows are published again and the
     ///   broker reports duplicates; nothing is lost, and the relay never waits for a WAL flush. Any
@@ -286,8 +288,11 @@ impl Relay {
                 .test_before_acquire(false)
                 .connect_lazy_with(base.clone().options(plans.settings()))
         };
-        let worker_pool = pool_of(settings.workers.max(1) as u32, Plans::OncePerConnection);
-        let pool = pool_of(pool.options().get_max_connections(), Plans::PerExecution);
+        let size = pool.options().get_max_connections();
+        // One connection per worker (each runs one statement at a time), at most the pool's size:
+        // more workers than that share them.
+        let worker_pool = pool_of((settings.workers.max(1) as u32).min(size), Plans::OncePerConnection);
+        let pool = pool_of(size, Plans::PerExecution);
         let js = async_nats::jetstream::new(client.clone());
         let version = client.server_info().version;
         let atomic_possible = publisher::supports_atomic(&version);

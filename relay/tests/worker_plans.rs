@@ -4,13 +4,18 @@
 //! it is checked where it is most tempted to scan: on an empty outbox, then after 5,000 rows and
 //! ANALYZE.
 
-use handoff_relay::outbox;
+use handoff_relay::{Relay, outbox};
+use handoff_shared::config::DatabaseArgs;
 use handoff_tests::TestEnv;
 
 #[tokio::test]
 async fn the_workers_statements_planned_once_reach_the_outbox_by_index_at_any_size() {
     let env = TestEnv::start().await.unwrap();
-    let relay = env.relay(env.relay_settings()).await.unwrap();
+    // The relay's pool as its binary opens it (planning per execution), which the workers' pool
+    // derives its own settings from: theirs must win.
+    let pool = DatabaseArgs::plain(env.relay_url()).connect("handoff-relay").await.unwrap();
+    let client = async_nats::connect(env.nats.addrs()).await.unwrap();
+    let relay = Relay::build(pool, client, env.stream_settings(), env.relay_settings()).await.unwrap();
     let mut conn = relay.worker_pool().acquire().await.unwrap();
     let settings: (String, String, String) =
         sqlx::query_as("SELECT current_setting('plan_cache_mode'), current_setting('enable_seqscan'), current_setting('synchronous_commit')")

@@ -278,8 +278,9 @@ pub struct DatabaseArgs {
     /// (the password is a secret and is never logged).
     #[arg(long = "database-url", env = "DATABASE_URL", hide_env_values = true)]
     pub url: String,
-    /// Largest number of pooled connections (a relay opens one more per worker for its claims and
-    /// settles, a consumer with --crm http up to 4 more for its dispatcher: pools of their own).
+    /// Largest number of pooled connections (a relay opens one more per worker, up to this many,
+    /// for its claims and settles; a consumer with --crm http up to 4 more for its dispatcher:
+    /// pools of their own).
     #[arg(
         long = "database-max-connections",
         env = "DATABASE_MAX_CONNECTIONS",
@@ -307,9 +308,10 @@ pub enum Plans {
     PerExecution,
     /// Each statement is planned once per connection (`plan_cache_mode = force_generic_plan`)
     /// with sequential scans off (`enable_seqscan = off`), so no execution pays for planning. Only
-    /// for a pool whose every statement reaches its rows through an index by key and is written so
-    /// that its generic plan is the keyed one whatever the table's size (e.g. `key = ANY($1)`
-    /// beside a join on the key), with a test that checks those plans on an empty table.
+    /// for a pool whose every statement reaches its rows through an index, by key or as an ordered
+    /// range that stops at a `LIMIT`, and is written so that its generic plan is that one whatever
+    /// the table's size (e.g. `key = ANY($1)` beside a join on the key), with a test that checks
+    /// those plans on an empty table.
     OncePerConnection,
 }
 
