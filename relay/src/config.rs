@@ -132,7 +132,9 @@ pub struct RelayConfig {
     /// How claimed batches are published: pipelined (one JetStream publish per message), atomic
     /// (atomic batches: a few fsyncs per batch with sync_interval always; needs nats-server 2.12+
     /// and allow_atomic on the stream, which the relay turns on), or auto (atomic on 2.15+, where a
-    /// batch commits with a few fsyncs; else pipelined).
+    /// batch commits with a few fsyncs; else pipelined; claims of fewer than 100 rows go the way
+    /// the relay has timed faster: pipelined on a broker that stores in microseconds, atomic when
+    /// every message waits for an fsync).
     #[arg(long, env = "HANDOFF_PUBLISH_MODE", value_enum, default_value = "auto")]
     pub publish_mode: crate::publisher::PublishMode,
     /// CloudEvents source attribute of published events.
@@ -232,6 +234,20 @@ mod tests {
     #[test]
     fn the_command_line_is_consistent() {
         super::RelayConfig::command().debug_assert();
+    }
+
+    #[test]
+    fn the_help_names_the_claim_size_auto_always_sends_as_atomic_batches() {
+        let help = super::RelayConfig::command()
+            .render_long_help()
+            .to_string()
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ");
+        let rule = format!("claims of fewer than {} rows", crate::publisher::AUTO_ATOMIC_MIN_ROWS);
+        assert!(help.contains(&rule), "--publish-mode's help should say {rule:?}");
+        let readme = include_str!("../../README.md");
+        assert!(readme.contains(&rule), "the README's --publish-mode row should say {rule:?}");
     }
 
     #[test]

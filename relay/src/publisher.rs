@@ -248,9 +248,11 @@ pub enum PublishMode {
     /// then published pipelined, so old rows report duplicates and new ones are stored.
     Atomic,
     /// Atomic when the server is 2.15 or later (where a batch commits with a few fsyncs) and the
-    /// stream allows it, else pipelined (one warning). Even then a claim of fewer than
-    /// [`AUTO_ATOMIC_MIN_ROWS`] rows (low load) goes out pipelined: a small atomic batch waits
-    /// longer for its commit than its messages do pipelined, and saves few fsyncs.
+    /// stream allows it, else pipelined (one warning). A claim of fewer than
+    /// [`AUTO_ATOMIC_MIN_ROWS`] rows (low load) goes the way this relay has timed faster
+    /// ([`crate::small_claims`]): pipelined on a broker that stores a message in microseconds,
+    /// where a small atomic batch waits longer for its commit, atomic where every pipelined
+    /// message waits for an fsync (`sync_interval: always`).
     #[default]
     Auto,
 }
@@ -368,10 +370,11 @@ pub struct AtomicOutcome {
     pub fallbacks: u64,
 }
 
-/// In `--publish-mode auto`, claims with fewer rows than this are published pipelined (see
-/// [`PublishMode::Auto`]). Measured (docs/benchmarks.md, session 12): at 10% load claims held
-/// about 14 rows and commit -> PubAck recorded took p50 37 ms as atomic batches against 10 ms
-/// pipelined; full claims (1,000 rows) are where atomic batches save the fsyncs.
+/// In `--publish-mode auto`, claims of at least this many rows are always atomic batches (where
+/// they save the fsyncs); smaller ones go the way the relay has timed faster
+/// ([`crate::small_claims`]). Measured (docs/benchmarks.md, session 12): at 10% load claims held
+/// about 14 rows and, on the default broker, commit -> PubAck recorded took p50 37 ms as atomic
+/// batches against 10 ms pipelined; full claims (1,000 rows) are where atomic batches save the fsyncs.
 pub const AUTO_ATOMIC_MIN_ROWS: usize = 100;
 
 /// Atomic batches one relay worker keeps open at once: a stream allows 50 open batches (all

@@ -32,6 +32,7 @@ use crate::metrics::{ClassLabel, KindLabel, ReasonLabel, RelayMetrics, action_ty
 use crate::outbox::{self, Claim, ClaimedRow, FailedRow, Failure, Lease, PublishedRow, RangeClaim, RetentionPosition};
 use crate::publisher::{self, Outgoing, PublishMode, StreamSettings};
 use crate::reconcile::{self, AtSequence, MismatchKind, Scope};
+use crate::small_claims::{SmallClaim, SmallClaims};
 
 /// The channel `handoff.notify_outbox()` signals on.
 pub const NOTIFY_CHANNEL: &str = "handoff_outbox";
@@ -233,6 +234,8 @@ pub struct Relay {
     mode: PublishMode,
     /// Numbers this relay's atomic batches (their ids are `<owner>-<n>-<chunk>`).
     batch_counter: Arc<std::sync::atomic::AtomicU64>,
+    /// In auto mode, how small claims go out, from what the broker's answers took.
+    small_claims: Arc<SmallClaims>,
     stream: StreamSettings,
     settings: RelaySettings,
     owner: String,
@@ -344,6 +347,7 @@ impl Relay {
             js,
             mode,
             batch_counter: Arc::default(),
+            small_claims: Arc::default(),
             stream,
             settings,
             owner,
@@ -437,19 +441,32 @@ impl Relay {
             }
         }
 
+        // In auto mode on a server with atomic batches, a small claim goes out as the broker has
+        // answered this relay's claims sooner (crate::small_claims); it feeds that estimate back.
+        let small = self.settings.publish_mode == PublishMode::Auto
+            && self.mode == PublishMode::Atomic
+            && outgoing.len() < publisher::AUTO_ATOMIC_MIN_ROWS;
         let acks = match self.mode {
             _ if outgoing.is_empty() => Vec::new(),
-            PublishMode::Atomic
-                if self.settings.publish_mode != PublishMode::Auto
-                    || outgoing.len() >= publisher::AUTO_ATOMIC_MIN_ROWS =>
-            {
+            PublishMode::Atomic if !small || self.small_claims.choose(outgoing.len()) == SmallClaim::Atomic => {
                 let n = self.batch_counter.fetch_add(1, Ordering::Relaxed);
+                let sent = Instant::now();
                 let atomic = publisher::publish_atomic(&self.js, &format!("{}-{n}", self.owner), outgoing).await;
+                if small && atomic.committed == 1 && atomic.fallbacks == 0 {
+                    self.small_claims.atomic(sent.elapsed());
+                }
                 self.metrics.atomic_batches.inc_by(atomic.committed);
                 self.metrics.atomic_fallbacks.inc_by(atomic.fallbacks);
                 atomic.results
             }
-            _ => publisher::publish_pipelined(&self.js, outgoing).await,
+            _ => {
+                let sent = Instant::now();
+                let results = publisher::publish_pipelined(&self.js, outgoing).await;
+                if small && results.iter().all(Result::is_ok) {
+                    self.small_claims.pipelined(sent.elapsed());
+                }
+                results
+            }
         };
         let published_at = Instant::now();
         if outcome.claimed > 0 && RelayFaults::fire(&self.faults.crash_after_publish) {

@@ -127,18 +127,28 @@ async fn pipelined_mode_leaves_the_stream_without_atomic_batches_and_still_publi
 }
 
 #[tokio::test]
-async fn auto_sends_a_small_claim_pipelined_and_a_full_one_as_an_atomic_batch() {
+async fn auto_times_small_claims_both_ways_and_sends_a_full_one_as_an_atomic_batch() {
     let env = TestEnv::start().await.unwrap();
     let relay = env.relay(RelaySettings { publish_mode: PublishMode::Auto, ..env.relay_settings() }).await.unwrap();
     assert_eq!(relay.publish_mode(), PublishMode::Atomic, "2.15 allows atomic batches");
     let small = publisher::AUTO_ATOMIC_MIN_ROWS as i64 - 1;
     env.approve_many_via_sql(1, small).await.unwrap();
     assert_eq!(relay.publish_batch().await.unwrap().published, small as usize);
-    assert_eq!(relay.metrics().atomic_batches.get(), 0, "a claim of {small} rows went out pipelined");
+    assert_eq!(relay.metrics().atomic_batches.get(), 0, "a first small claim goes out pipelined");
+    // Pipelined has been timed: the next small claim is the one atomic trial (small_claims), and
+    // the one after goes whichever way was faster (either way, each row is stored once).
+    env.approve_many_via_sql(small + 1, 10).await.unwrap();
+    assert_eq!(relay.publish_batch().await.unwrap().published, 10);
+    assert_eq!(relay.metrics().atomic_batches.get(), 1, "the trial is one atomic batch");
+    env.approve_many_via_sql(small + 11, 10).await.unwrap();
+    assert_eq!(relay.publish_batch().await.unwrap().published, 10);
+    let before_full = relay.metrics().atomic_batches.get();
 
+    let small = small + 20;
     env.approve_many_via_sql(small + 1, 1_000).await.unwrap();
     assert_eq!(relay.publish_batch().await.unwrap().published, 1_000);
-    assert_eq!(relay.metrics().atomic_batches.get(), 1, "a full claim is one atomic batch");
+    assert_eq!(relay.metrics().atomic_batches.get(), before_full + 1, "a full claim is one atomic batch");
+    assert_eq!(relay.metrics().atomic_fallbacks.get(), 0);
     assert_eq!(env.stream_messages().await.unwrap(), small as u64 + 1_000);
     assert_eq!(env.published_sequences_match_the_stream().await.unwrap(), small as usize + 1_000);
 }
