@@ -8,10 +8,13 @@
 //! (created and deleted per batch), which costs a few milliseconds whatever the broker's fsync
 //! setting. With `sync_interval: always` every pipelined message waits for its own fsync behind
 //! every other publisher's: 15 rows take 15 fsyncs, the atomic batch about four. Measured on this
-//! machine at 10% load (docs/benchmarks.md, "Small claims as the broker answers them"): on the
-//! default broker small claims answered in about 1 ms pipelined against 4-5 ms atomic, with
-//! `always` in 15-20 ms pipelined against 4-6 ms atomic. No fixed rule is right for both, and the
-//! relay cannot read the server's fsync setting.
+//! machine at 10% load (docs/benchmarks.md, "Small claims as the broker answers them"): with
+//! `always` small claims took 12-19 ms pipelined against about 4-6 ms as atomic batches, and the
+//! end-to-end p50 halved when they went atomic; on the default broker a claim's publish takes about
+//! a millisecond pipelined (session 21's step timings) and the end-to-end p50 rose from 3.5 to 5.9
+//! ms with small claims forced atomic (session 22). How fast an fsync is matters too: on session
+//! 18's quicker disk pipelined still won with `always`. No fixed rule is right for all of them, and
+//! the relay cannot read the server's fsync setting.
 //!
 //! So it times them: every small claim published pipelined, from sending its first message to its
 //! last PubAck, and every small claim committed as one atomic batch, from sending to the commit's
