@@ -237,20 +237,6 @@ mod tests {
     }
 
     #[test]
-    fn the_help_names_the_claim_size_auto_always_sends_as_atomic_batches() {
-        let help = super::RelayConfig::command()
-            .render_long_help()
-            .to_string()
-            .split_whitespace()
-            .collect::<Vec<_>>()
-            .join(" ");
-        let rule = format!("claims of fewer than {} rows", crate::publisher::AUTO_ATOMIC_MIN_ROWS);
-        assert!(help.contains(&rule), "--publish-mode's help should say {rule:?}");
-        let readme = include_str!("../../README.md");
-        assert!(readme.contains(&rule), "the README's --publish-mode row should say {rule:?}");
-    }
-
-    #[test]
     fn numbers_that_would_stall_or_panic_are_refused_naming_the_flag() {
         use clap::Parser;
         for (flag, value) in [

@@ -95,3 +95,20 @@ fn the_readme_documents_every_consumer_flag_as_help_does() {
     documented.extend(table_after(&readme, "`handoff-consumer`:\n"));
     compare("handoff-consumer", help_of(handoff_consumer::config::ConsumerConfig::command()), documented);
 }
+
+/// The binary's own `--help`, words joined by single spaces (clap wraps lines to the terminal).
+fn help_text_of(binary: &str) -> String {
+    let path = handoff_testkit::process::binary_path(binary).unwrap();
+    let output = std::process::Command::new(&path).arg("--help").output().unwrap();
+    assert!(output.status.success(), "{} --help: {:?}", path.display(), output);
+    String::from_utf8(output.stdout).unwrap().split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+#[test]
+fn the_relay_binary_and_the_readme_name_the_claim_size_auto_always_sends_as_atomic_batches() {
+    let rule = format!("claims of fewer than {} rows", handoff_relay::publisher::AUTO_ATOMIC_MIN_ROWS);
+    let help = help_text_of("handoff-relay");
+    assert!(help.contains(&rule), "handoff-relay --help should say {rule:?} for --publish-mode:\n{help}");
+    let readme = readme().split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(readme.contains(&rule), "the README's --publish-mode row should say {rule:?}");
+}
