@@ -349,11 +349,10 @@ pub async fn publish_atomic(
     batch_prefix: &str,
     messages: Vec<Outgoing>,
 ) -> AtomicOutcome {
-    let chunks: Vec<Vec<Outgoing>> = messages.chunks(ATOMIC_BATCH_LIMIT).map(<[Outgoing]>::to_vec).collect();
     let mut outcome = AtomicOutcome { results: Vec::with_capacity(messages.len()), committed: 0, fallbacks: 0 };
-    let mut numbered = chunks.into_iter().enumerate().peekable();
+    let mut numbered = messages.chunks(ATOMIC_BATCH_LIMIT).enumerate().peekable();
     while numbered.peek().is_some() {
-        let window: Vec<(usize, Vec<Outgoing>)> = numbered.by_ref().take(ATOMIC_IN_FLIGHT).collect();
+        let window: Vec<(usize, &[Outgoing])> = numbered.by_ref().take(ATOMIC_IN_FLIGHT).collect();
         settle_window(js, batch_prefix, window, &mut outcome).await;
     }
     outcome
@@ -385,11 +384,11 @@ pub const ATOMIC_IN_FLIGHT: usize = 4;
 async fn settle_window(
     js: &async_nats::jetstream::Context,
     batch_prefix: &str,
-    window: Vec<(usize, Vec<Outgoing>)>,
+    window: Vec<(usize, &[Outgoing])>,
     into: &mut AtomicOutcome,
 ) {
     let mut commits = Vec::with_capacity(window.len());
-    for (i, chunk) in &window {
+    for &(i, chunk) in &window {
         commits.push(send_batch(js, &format!("{batch_prefix}-{i}"), chunk).await);
     }
     for ((_, chunk), commit) in window.into_iter().zip(commits) {
@@ -406,7 +405,7 @@ async fn settle_window(
                     // say): do not derive sequences; settle per message (the stored ones answer
                     // as duplicates with their own sequences).
                     tracing::warn!(batch = ?ack.batch_id, stored = ?ack.batch_size, count, "atomic batch ack does not match the batch; publishing it per message");
-                    results.extend(publish_pipelined(js, chunk).await);
+                    results.extend(publish_pipelined(js, chunk.to_vec()).await);
                     continue;
                 }
                 into.committed += 1;
@@ -421,7 +420,7 @@ async fn settle_window(
                     messages = chunk.len(),
                     "atomic batch holds an id the broker knows; publishing it per message"
                 );
-                results.extend(publish_pipelined(js, chunk).await);
+                results.extend(publish_pipelined(js, chunk.to_vec()).await);
             }
             Err(error) => {
                 let kind = error.kind();

@@ -128,7 +128,8 @@ pub enum EnvelopeError {
     Signature(#[from] SignatureError),
 }
 
-#[derive(Serialize, Deserialize)]
+/// An envelope as read off the wire ([`CloudEventHead`] writes one).
+#[derive(Deserialize)]
 struct CloudEvent {
     specversion: String,
     id: String,
@@ -142,38 +143,90 @@ struct CloudEvent {
     handoffapprovedat: DateTime<Utc>,
     handoffschema: u32,
     /// CloudEvents distributed-tracing extension.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     traceparent: Option<String>,
     /// The id of the key that signed the other attributes.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     handoffkeyid: Option<String>,
     /// HMAC-SHA256 of the other attributes, hex.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     handoffsig: Option<String>,
     data: Value,
 }
 
-impl CloudEvent {
+/// Room for an envelope's attributes besides its data: a signed one with a trace context is about
+/// 500 bytes, so the body is written without growing its buffer.
+const ENVELOPE_HEAD_BYTES: usize = 640;
+
+/// An envelope as written: [`CloudEvent`]'s attributes in the same order, borrowed (from an
+/// [`Envelope`] without copying its strings or its data, or from a [`CloudEvent`] read).
+#[derive(Serialize)]
+struct CloudEventHead<'a> {
+    specversion: &'a str,
+    id: &'a str,
+    source: &'a str,
+    #[serde(rename = "type")]
+    kind: &'a str,
+    time: DateTime<Utc>,
+    datacontenttype: &'a str,
+    handoffhash: &'a str,
+    handoffapprovedby: &'a str,
+    handoffapprovedat: DateTime<Utc>,
+    handoffschema: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    traceparent: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    handoffkeyid: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    handoffsig: Option<&'a str>,
+    /// The JSON value as approved, not its canonical form: RFC 8785 writes every number as a
+    /// double, so an integer beyond 2^53 would arrive rounded.
+    data: &'a Value,
+}
+
+impl<'a> CloudEventHead<'a> {
     /// What a signature covers, formatted from the parsed values (so both ends agree whatever the
     /// JSON spelling of a timestamp).
-    fn signed<'a>(&'a self, time: &'a str, approved_at: &'a str) -> SignedFields<'a> {
+    fn signed(&self, time: &'a str, approved_at: &'a str) -> SignedFields<'a> {
         SignedFields {
+            id: self.id,
+            source: self.source,
+            kind: self.kind,
+            time,
+            datacontenttype: self.datacontenttype,
+            hash: self.handoffhash,
+            approved_by: self.handoffapprovedby,
+            approved_at,
+            schema: self.handoffschema,
+            traceparent: self.traceparent,
+        }
+    }
+}
+
+impl CloudEvent {
+    fn head(&self) -> CloudEventHead<'_> {
+        CloudEventHead {
+            specversion: &self.specversion,
             id: &self.id,
             source: &self.source,
             kind: &self.kind,
-            time,
+            time: self.time,
             datacontenttype: &self.datacontenttype,
-            hash: &self.handoffhash,
-            approved_by: &self.handoffapprovedby,
-            approved_at,
-            schema: self.handoffschema,
+            handoffhash: &self.handoffhash,
+            handoffapprovedby: &self.handoffapprovedby,
+            handoffapprovedat: self.handoffapprovedat,
+            handoffschema: self.handoffschema,
             traceparent: self.traceparent.as_deref(),
+            handoffkeyid: self.handoffkeyid.as_deref(),
+            handoffsig: self.handoffsig.as_deref(),
+            data: &self.data,
         }
     }
 
     fn check_signature(&self, policy: &SignaturePolicy) -> Result<Signed, SignatureError> {
+        let head = self.head();
         let (time, approved_at) = (signed_time(self.time), signed_time(self.handoffapprovedat));
-        policy.check(&self.signed(&time, &approved_at), self.handoffkeyid.as_deref(), self.handoffsig.as_deref())
+        policy.check(&head.signed(&time, &approved_at), head.handoffkeyid, head.handoffsig)
     }
 }
 
@@ -200,30 +253,37 @@ impl Envelope {
 
     /// The message body in envelope version `version`, signed with `key` (unsigned without one).
     pub fn encode_signed(&self, version: u32, key: Option<&SigningKey>) -> Bytes {
-        let mut event = CloudEvent {
-            specversion: "1.0".into(),
-            id: self.key.to_string(),
-            source: self.source.clone(),
-            kind: event_type(&self.key),
+        let hash = self.payload.hash().to_string();
+        let kind = event_type(&self.key);
+        let traceparent = self.traceparent.map(|tp| tp.to_string());
+        let mut head = CloudEventHead {
+            specversion: "1.0",
+            id: self.key.as_str(),
+            source: &self.source,
+            kind: &kind,
             time: self.time,
-            datacontenttype: "application/json".into(),
-            handoffhash: self.payload.hash().to_string(),
-            handoffapprovedby: self.approval.approved_by.clone(),
-            handoffapprovedat: self.approval.approved_at,
+            datacontenttype: "application/json",
+            handoffhash: &hash,
+            handoffapprovedby: self.approval.approved_by(),
+            handoffapprovedat: self.approval.approved_at(),
             handoffschema: version,
-            traceparent: self.traceparent.map(|tp| tp.to_string()),
+            traceparent: traceparent.as_deref(),
             handoffkeyid: None,
             handoffsig: None,
-            data: self.payload.value().clone(),
+            data: self.payload.value(),
         };
-        if let Some(key) = key {
-            let (time, approved_at) = (signed_time(event.time), signed_time(event.handoffapprovedat));
-            let signature = key.sign(&event.signed(&time, &approved_at));
-            event.handoffkeyid = Some(key.id().to_string());
-            event.handoffsig = Some(signature);
+        let signature = key.map(|key| {
+            let (time, approved_at) = (signed_time(head.time), signed_time(head.handoffapprovedat));
+            (key.id().as_str(), key.sign(&head.signed(&time, &approved_at)))
+        });
+        if let Some((id, signature)) = &signature {
+            head.handoffkeyid = Some(id);
+            head.handoffsig = Some(signature.as_str());
         }
-        // Serializing owned strings, timestamps and a JSON value cannot fail.
-        Bytes::from(serde_json::to_vec(&event).expect("envelope serializes"))
+        let mut body = Vec::with_capacity(ENVELOPE_HEAD_BYTES + self.payload.canonical_bytes().len());
+        // Borrowed strings, timestamps, numbers and a JSON value: serializing cannot fail.
+        serde_json::to_writer(&mut body, &head).expect("envelope serializes");
+        Bytes::from(body)
     }
 
     /// Parses and checks a message as [`Envelope::open`] does, **without checking its signature**:
@@ -315,6 +375,23 @@ mod tests {
         let decoded = Envelope::decode(&serde_json::to_vec(&json).unwrap(), Some(env.key.as_str())).unwrap();
         assert_eq!(decoded.traceparent, None, "the action stands; only the trace is lost");
         assert!(!String::from_utf8_lossy(&sample().encode()).contains("traceparent"), "absent when not given");
+    }
+
+    #[test]
+    fn data_arrives_as_approved_and_signed_envelopes_open() {
+        let mut env = sample();
+        // Canonical form rounds integers beyond 2^53 (RFC 8785 numbers are doubles); the consumer
+        // must still get the value that was approved, and a float stays a float.
+        env.payload =
+            CanonicalPayload::from_json(br#"{ "title": "Call", "account": 12345678901234567891, "n": 1.0 }"#).unwrap();
+        let key = SigningKey::new(crate::signing::KeyId::new("k1").unwrap(), vec![7; 32]).unwrap();
+        let body = env.encode_signed(SCHEMA_VERSION, Some(&key));
+        let json: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(json["data"]["account"].as_u64(), Some(12_345_678_901_234_567_891));
+        assert_eq!(json["data"]["n"].as_f64(), Some(1.0));
+        assert_eq!(json["handoffkeyid"], "k1");
+        let policy = SignaturePolicy::new(vec![key], false).unwrap();
+        assert_eq!(Envelope::open(&body, Some(env.key.as_str()), SCHEMA_VERSION, &policy).unwrap().0, env);
     }
 
     #[test]

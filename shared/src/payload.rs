@@ -42,6 +42,9 @@ pub enum PayloadError {
 pub struct CanonicalPayload {
     value: Value,
     canonical: Vec<u8>,
+    /// SHA-256 of `canonical`, computed once: the relay checks it against the stored hash and
+    /// writes it into the envelope, the consumer compares it with the declared one.
+    hash: PayloadHash,
 }
 
 impl CanonicalPayload {
@@ -56,7 +59,8 @@ impl CanonicalPayload {
         if canonical.len() > MAX_PAYLOAD_BYTES {
             return Err(PayloadError::TooLarge(canonical.len()));
         }
-        Ok(Self { value, canonical })
+        let hash = PayloadHash(Sha256::digest(&canonical).into());
+        Ok(Self { value, canonical, hash })
     }
 
     /// Parses JSON text and canonicalizes it.
@@ -77,7 +81,7 @@ impl CanonicalPayload {
 
     /// SHA-256 of the canonical bytes.
     pub fn hash(&self) -> PayloadHash {
-        PayloadHash(Sha256::digest(&self.canonical).into())
+        self.hash
     }
 }
 
@@ -101,11 +105,22 @@ pub struct BadHash;
 impl FromStr for PayloadHash {
     type Err = BadHash;
     fn from_str(s: &str) -> Result<Self, BadHash> {
-        if s.len() != 64 || s.bytes().any(|b| b.is_ascii_uppercase()) {
+        // Lowercase digits only: one spelling per hash, so stored and declared hashes compare as text.
+        fn digit(b: u8) -> Result<u8, BadHash> {
+            match b {
+                b'0'..=b'9' => Ok(b - b'0'),
+                b'a'..=b'f' => Ok(b - b'a' + 10),
+                _ => Err(BadHash),
+            }
+        }
+        let text = s.as_bytes();
+        if text.len() != 64 {
             return Err(BadHash);
         }
         let mut bytes = [0u8; 32];
-        hex::decode_to_slice(s, &mut bytes).map_err(|_| BadHash)?;
+        for (byte, pair) in bytes.iter_mut().zip(text.chunks_exact(2)) {
+            *byte = digit(pair[0])? << 4 | digit(pair[1])?;
+        }
         Ok(Self(bytes))
     }
 }
@@ -125,7 +140,9 @@ impl From<PayloadHash> for String {
 
 impl fmt::Display for PayloadHash {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&hex::encode(self.0))
+        let mut text = [0u8; 64];
+        hex::encode_to_slice(self.0, &mut text).expect("32 bytes are 64 hex digits");
+        f.write_str(std::str::from_utf8(&text).expect("hex digits are ASCII"))
     }
 }
 
@@ -189,5 +206,8 @@ mod tests {
         assert_eq!("ab".parse::<PayloadHash>(), Err(BadHash));
         assert_eq!("A".repeat(64).parse::<PayloadHash>(), Err(BadHash));
         assert_eq!("g".repeat(64).parse::<PayloadHash>(), Err(BadHash));
+        assert_eq!(format!("{}é", "0".repeat(62)).parse::<PayloadHash>(), Err(BadHash), "64 bytes, not digits");
+        let text = "0123456789abcdef".repeat(4);
+        assert_eq!(text.parse::<PayloadHash>().unwrap().to_string(), text);
     }
 }

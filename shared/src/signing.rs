@@ -60,11 +60,22 @@ impl std::fmt::Display for KeyId {
 }
 
 /// A secret key with its id. Its `Debug` shows the id only.
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Clone)]
 pub struct SigningKey {
     id: KeyId,
     secret: Vec<u8>,
+    /// HMAC keyed with `secret`, before any message: cloned for each signature instead of
+    /// hashing the key's pads again.
+    keyed: HmacSha256,
 }
+
+impl PartialEq for SigningKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.id == other.id && self.secret == other.secret
+    }
+}
+
+impl Eq for SigningKey {}
 
 impl std::fmt::Debug for SigningKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -109,7 +120,8 @@ impl SigningKey {
         if secret.len() < SECRET_LEN {
             return Err(KeyFileError::ShortSecret);
         }
-        Ok(Self { id, secret })
+        let keyed = HmacSha256::new_from_slice(&secret).expect("HMAC accepts any key length");
+        Ok(Self { id, secret, keyed })
     }
 
     /// A new random key from the operating system's random source. Without an id, the id is
@@ -187,12 +199,13 @@ impl SigningKey {
 
     /// The signature of `fields` under this key, as hex.
     pub fn sign(&self, fields: &SignedFields<'_>) -> String {
-        hex::encode(self.mac(fields).finalize().into_bytes())
+        let mut text = [0u8; 64];
+        hex::encode_to_slice(self.mac(fields).finalize().into_bytes(), &mut text).expect("32 bytes are 64 hex digits");
+        String::from_utf8(text.to_vec()).expect("hex digits are ASCII")
     }
 
     fn mac(&self, fields: &SignedFields<'_>) -> HmacSha256 {
-        // HMAC takes keys of any length.
-        let mut mac = HmacSha256::new_from_slice(&self.secret).expect("HMAC accepts any key length");
+        let mut mac = self.keyed.clone();
         fields.feed(self.id.as_str(), &mut mac);
         mac
     }
