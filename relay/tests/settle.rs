@@ -1,7 +1,7 @@
 //! Settling a range on real Postgres and NATS: a fully published range is recorded once in its
 //! `published_range` row and writes no outbox row; a failed row gets its own state next to the
 //! range; a relay that lost its range's lease marks its rows one by one and the range's new owner
-//! records the range, counted once.
+//! records the range, counted once; a large range's arrays are stored without compression.
 
 use std::time::Duration;
 
@@ -137,4 +137,28 @@ async fn a_relay_that_lost_its_range_marks_rows_one_by_one_and_the_new_owner_rec
     assert_eq!(rows, [(1, false), (2, false), (3, false)], "a row's own state speaks first");
     let batches: i64 = sqlx::query_scalar("SELECT count(*) FROM handoff.relay_batch").fetch_one(pool).await.unwrap();
     assert_eq!(batches, 0, "the range was released");
+}
+
+#[tokio::test]
+async fn a_large_range_is_stored_out_of_line_without_compression_and_stays_answerable() {
+    let env = TestEnv::start().await.unwrap();
+    let relay = env.relay(env.relay_settings()).await.unwrap();
+    // 400 ids and 400 sequences: 3.2 KB each, over the 2 KB at which Postgres moves a value out of
+    // line (and, by default, compresses it first: the largest item of its CPU in the relay's drain).
+    handoff_tests::approve_range(&env.producer_db, 1, 400).await.unwrap();
+    let batch = relay.publish_batch().await.unwrap();
+    assert_eq!((batch.claimed, batch.published), (400, 400), "{batch:?}");
+    assert_eq!(ranges(&env).await, [400]);
+    let (ids, sequences, stored): (Option<String>, Option<String>, i32) = sqlx::query_as(
+        "SELECT pg_column_compression(outbox_ids), pg_column_compression(stream_sequences),
+                pg_column_size(outbox_ids) FROM handoff.published_range",
+    )
+    .fetch_one(&env.producer_db)
+    .await
+    .unwrap();
+    assert_eq!((ids, sequences), (None, None), "neither array compressed");
+    assert!(stored >= 400 * 8, "the ids are stored whole: {stored} bytes");
+    assert_eq!(env.published_sequences_match_the_stream().await.unwrap(), 400);
+    let counts = env.outbox().await.unwrap();
+    assert_eq!((counts.published, counts.pending), (400, 0));
 }
