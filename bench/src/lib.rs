@@ -14,6 +14,7 @@
 pub mod ceilings;
 pub mod cpus;
 pub mod measure;
+pub mod mq_bridge;
 pub mod plans;
 pub mod reconcile;
 pub mod report;
@@ -128,7 +129,9 @@ pub struct BenchArgs {
     pub reconcile_rows: i64,
     /// Sections to run: ceilings, relay, consumer, remote, e2e, plans, reconcile, signing (the publish
     /// ceiling always runs: the consumer measurements read its stream). `remote` and `signing` run in
-    /// the first profile only: the broker's fsync setting does not bear on them.
+    /// the first profile only: the broker's fsync setting does not bear on them. Not by default:
+    /// `mq-bridge`, the relay side by side with a WAL-reading relay (mq-bridge, installed from PyPI
+    /// on first use), in the first profile.
     #[arg(long, value_delimiter = ',', default_value = "ceilings,relay,consumer,remote,e2e,plans,reconcile,signing")]
     pub only: Vec<String>,
     /// Run the producer's and the consumer's databases on one Postgres server. By default the
@@ -215,6 +218,9 @@ pub async fn run(args: BenchArgs) -> Result<Report> {
         if full && args.runs_section("reconcile") {
             reconcile_rows(&mut world, &args, &mut report).await?;
         }
+        if full && args.runs_section("mq-bridge") {
+            mq_bridge_rows(&mut world, &args, &mut report).await?;
+        }
         if full && !args.plan_backlogs.0.is_empty() && args.runs_section("plans") {
             eprintln!("== claim cost at backlogs {:?}", args.plan_backlogs.0);
             let batch = handoff_relay::RelaySettings::default().batch_size;
@@ -289,6 +295,111 @@ async fn reconcile_rows(world: &mut World, args: &BenchArgs, report: &mut Report
     row.target("1M rows in minutes: <= 600 s per million", seconds.iter().all(|s| s / n as f64 * 1e6 <= 600.0));
     report.rows.push(row);
     reconcile::drop_filled(world, filled).await
+}
+
+/// The relay (2 processes x 1 worker: its defaults, and publishing pipelined) and mq-bridge reading
+/// the WAL drain the same backlog on one Postgres server with `wal_level = logical`, in an order
+/// that rotates from run to run (on a shared machine the later drains of a round tend to run
+/// slower). The relay's rows are ratios to mq-bridge's; their CPU per row across relay (or
+/// mq-bridge), Postgres and NATS is checked against mq-bridge's.
+async fn mq_bridge_rows(world: &mut World, args: &BenchArgs, report: &mut Report) -> Result<()> {
+    const RELAYS: usize = 2;
+    let n = args.actions;
+    eprintln!("-- mq-bridge {} side by side ({n} actions, a server with wal_level logical)", mq_bridge::VERSION);
+    let (python, driver) = mq_bridge::python()?;
+    let logical = crate::world::start_logical_postgres().await?;
+    let usual = std::mem::replace(&mut world.postgres.producer, logical);
+    // Each run: mq-bridge, the relay as deployed (auto: atomic batches here) and the relay
+    // publishing message by message as mq-bridge does, in an order that rotates from run to run.
+    let measured = async {
+        let mut wal = (vec![], vec![]);
+        let mut relay = [(vec![], vec![]), (vec![], vec![])];
+        for run in 1..=args.runs {
+            for step in 0..3 {
+                let t = Instant::now();
+                match (step + run) % 3 {
+                    0 => {
+                        let (sample, c) =
+                            mq_bridge::drain(world, &python, &driver, n).await.context("mq-bridge drain")?;
+                        wal.0.push(sample);
+                        wal.1.push(c.stream_messages);
+                        eprintln!("   mq-bridge: run {run}/{} done in {:.1} s", args.runs, t.elapsed().as_secs_f64());
+                    }
+                    mode => {
+                        let pipelined = mode == 2;
+                        if pipelined {
+                            world.relay_extra.push(("HANDOFF_PUBLISH_MODE".into(), "pipelined".into()));
+                        }
+                        let drained = system::relay_drain(world, n, RELAYS, 1, false).await;
+                        if pipelined {
+                            world.relay_extra.pop();
+                        }
+                        let (sample, c) = drained.context("relay drain")?;
+                        let into = &mut relay[usize::from(pipelined)];
+                        into.0.push(sample);
+                        into.1.push(c.stream_messages);
+                        eprintln!(
+                            "   relay x{RELAYS}{}: run {run}/{} done in {:.1} s",
+                            if pipelined { ", pipelined" } else { "" },
+                            args.runs,
+                            t.elapsed().as_secs_f64()
+                        );
+                    }
+                }
+            }
+        }
+        anyhow::Ok((wal, relay))
+    }
+    .await;
+    let logical = std::mem::replace(&mut world.postgres.producer, usual);
+    drop(logical);
+    let (wal, relay) = measured?;
+    let p = world.profile;
+    let stored_once = |stored: &[u64]| stored.iter().all(|&m| m == n as u64);
+    let mut wal_row = throughput_row(
+        p,
+        "comparison",
+        "mq_bridge",
+        format!("mq-bridge {}: logical replication -> JetStream, msg ids, {n} backlog", mq_bridge::VERSION),
+        "rows/s",
+        &wal.0,
+    )
+    .param("version", mq_bridge::VERSION)
+    .param("backlog", n);
+    wal_row.check("stream_messages_per_run", json!(wal.1));
+    wal_row.target("no message stored twice", stored_once(&wal.1));
+    // CPU per row of everything but the load generator: the relay (or mq-bridge), Postgres, NATS.
+    let cpu_per_row = |row: &Row| -> f64 {
+        row.processes.iter().filter(|u| u.role != "bench").map(|u| u.cpu_us_per_item.median).sum()
+    };
+    let wal_cpu = cpu_per_row(&wal_row);
+    report.rows.push(wal_row.clone());
+    for (pipelined, (samples, stored)) in relay.iter().enumerate() {
+        let (id, label) = match pipelined {
+            0 => ("relays=2/wal_level_logical", "same server and backlog as mq-bridge"),
+            _ => ("relays=2/pipelined/wal_level_logical", "pipelined, same server and backlog as mq-bridge"),
+        };
+        let mut row = throughput_row(
+            p,
+            "comparison",
+            id,
+            format!("relay: {RELAYS} process(es) x 1 worker, {label}"),
+            "rows/s",
+            samples,
+        )
+        .param("relays", RELAYS)
+        .param("publish_mode", if pipelined == 1 { "pipelined" } else { "auto" })
+        .param("backlog", n)
+        .against(&wal_row);
+        row.check("stream_messages_per_run", json!(stored));
+        row.target("no message stored twice", stored_once(stored));
+        let cpu = cpu_per_row(&row);
+        row.check("cpu_us_per_row", cpu);
+        row.check("mq_bridge_cpu_us_per_row", wal_cpu);
+        row.check("cpu_per_row_vs_mq_bridge", cpu / wal_cpu);
+        report.rows.push(row);
+    }
+    Ok(())
 }
 
 /// What signing costs per message: encoding signed against unsigned (the relay's side), opening

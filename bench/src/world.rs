@@ -48,6 +48,11 @@ pub fn pg_statements_profiled() -> bool {
     std::env::var(PG_STATEMENTS_ENV).is_ok_and(|v| v == "1")
 }
 
+/// What logical decoding needs (the `mq-bridge` section's server only): a WAL-reading relay
+/// takes the outbox's inserts from a replication slot.
+const LOGICAL_WAL_ARGS: &[&str] =
+    &["-c", "wal_level=logical", "-c", "max_wal_senders=4", "-c", "max_replication_slots=4"];
+
 /// [`POSTGRES_ARGS`], plus the statement profile when asked for.
 fn postgres_args() -> Vec<&'static str> {
     let mut args = POSTGRES_ARGS.to_vec();
@@ -55,6 +60,15 @@ fn postgres_args() -> Vec<&'static str> {
         args.extend(PG_STATEMENTS_ARGS);
     }
     args
+}
+
+/// A producer's server like [`Servers::start`]'s, with `wal_level = logical`.
+pub async fn start_logical_postgres() -> Result<Postgres> {
+    let mut args = postgres_args();
+    args.extend(LOGICAL_WAL_ARGS);
+    let mut server = Postgres::start_with(&args, Storage::Volume).await?;
+    note_addressing("Postgres (wal_level logical)", server.connect_directly().await?);
+    Ok(server)
 }
 
 /// The broker setting a profile runs with.
@@ -357,6 +371,19 @@ impl Service {
         let env: Vec<(&str, String)> = env.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
         let process = ServiceProcess::spawn(binary, &env)
             .with_context(|| format!("starting {binary}; build the release binaries first (scripts/bench does)"))?;
+        let pid = process.pid().context("the process has no pid")?;
+        Ok(Self { role, process, pid })
+    }
+
+    /// Starts another program as a measured service (`role` names it in the CPU columns).
+    pub fn spawn_program(
+        role: &'static str,
+        program: &std::path::Path,
+        args: &[&str],
+        env: &[(String, String)],
+    ) -> Result<Self> {
+        let env: Vec<(&str, String)> = env.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+        let process = ServiceProcess::spawn_program(role, program, args, &env)?;
         let pid = process.pid().context("the process has no pid")?;
         Ok(Self { role, process, pid })
     }

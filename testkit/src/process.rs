@@ -56,9 +56,20 @@ impl ServiceProcess {
     /// Starts `name` with exactly these environment variables added (stdout/stderr inherited so
     /// the test output shows its logs).
     pub fn spawn(name: &'static str, env: &[(&str, String)]) -> Result<Self> {
-        let path = binary_path(name)?;
-        let mut command = Command::new(&path);
-        command.envs(env.iter().map(|(k, v)| (*k, v.as_str()))).stdin(Stdio::null()).kill_on_drop(true);
+        Self::spawn_program(name, &binary_path(name)?, &[], env)
+    }
+
+    /// Starts another program (`path` with `args`) the same way: environment added, stdin closed,
+    /// logs inherited, killed on drop. For measuring a tool next to the services, as the benchmark
+    /// does with a WAL-reading relay.
+    pub fn spawn_program(
+        name: &'static str,
+        path: &std::path::Path,
+        args: &[&str],
+        env: &[(&str, String)],
+    ) -> Result<Self> {
+        let mut command = Command::new(path);
+        command.args(args).envs(env.iter().map(|(k, v)| (*k, v.as_str()))).stdin(Stdio::null()).kill_on_drop(true);
         let child = command.spawn().with_context(|| format!("spawning {}", path.display()))?;
         Ok(Self { name, child, log: None })
     }
