@@ -3,9 +3,12 @@
 //! "inbox row and task commit together". A remote CRM (unknown outcomes, readback) implements the
 //! same trait outside the transaction, with its own ledger.
 
-use sqlx::PgConnection;
+use std::collections::HashMap;
+use std::sync::LazyLock;
 
-use crate::inbox::outcome;
+use sqlx::{PgConnection, PgPool};
+
+use crate::inbox::{self, Arrival, outcome};
 
 /// One task to create: the verified action.
 #[derive(Debug, Clone)]
@@ -48,6 +51,8 @@ impl TaskOutcome {
 pub enum CrmError {
     #[error("CRM store database error")]
     Database(#[from] sqlx::Error),
+    #[error("the one-statement batch returned no usable row for {0}")]
+    Incomplete(String),
 }
 
 /// A destination that creates one task per operation key.
@@ -64,7 +69,58 @@ pub trait Crm: Send + Sync {
         conn: &mut PgConnection,
         requests: &[TaskRequest],
     ) -> impl Future<Output = Result<Vec<TaskOutcome>, CrmError>> + Send;
+
+    /// The usual batch in one statement with no transaction around it: records every arrival in
+    /// the inbox with [`Self::USUAL_OUTCOME`] and creates its task, all or nothing
+    /// ([`inbox::with_new_arrivals`]). `requests[i]` is `arrivals[i]`'s, every key once. Returns
+    /// `None`, having written nothing, when any key is already held by the inbox or the CRM; the
+    /// batch transaction ([`Self::create_tasks`]) then decides each message. Otherwise one outcome
+    /// per request, in order, each the usual one.
+    fn create_usual(
+        &self,
+        pool: &PgPool,
+        arrivals: &[Arrival],
+        requests: &[TaskRequest],
+    ) -> impl Future<Output = Result<Option<Vec<TaskOutcome>>, CrmError>> + Send;
 }
+
+/// Runs a [`inbox::with_new_arrivals`] statement and maps its rows back to `arrivals`' order with
+/// `outcome` (given the row's task id; `None` from it means the row lacks what the CRM returns).
+/// `None` when a key was already held.
+pub(crate) async fn run_usual<'q>(
+    query: inbox::UsualQuery<'q>,
+    pool: &PgPool,
+    arrivals: &[Arrival],
+    outcome: impl Fn(Option<i64>) -> Option<TaskOutcome>,
+) -> Result<Option<Vec<TaskOutcome>>, CrmError> {
+    let rows = match query.fetch_all(pool).await {
+        Ok(rows) => rows,
+        Err(error) if inbox::is_not_usual(&error) => return Ok(None),
+        Err(error) => return Err(error.into()),
+    };
+    let created: HashMap<String, Option<i64>> = rows.into_iter().collect();
+    arrivals
+        .iter()
+        .map(|a| {
+            // Unreachable: the statement fails unless every arrival got its row, task id included.
+            created
+                .get(&a.operation_key)
+                .and_then(|&task_id| outcome(task_id))
+                .ok_or_else(|| CrmError::Incomplete(a.operation_key.clone()))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(Some)
+}
+
+/// [`LocalCrm`]'s half of [`Crm::create_usual`]: the tasks of the arrivals (`$1` keys, `$2` hashes).
+static CREATE_USUAL_TASKS: LazyLock<String> = LazyLock::new(|| {
+    inbox::with_new_arrivals(
+        r#"
+        INSERT INTO handoff_consumer.crm_task (operation_key, payload_hash, payload, approved_by, traceparent)
+        SELECT * FROM UNNEST($1::text[], $2::text[], $5::jsonb[], $6::text[], $7::text[])
+        RETURNING operation_key, task_id"#,
+    )
+});
 
 /// The CRM store in the consumer's database (`handoff_consumer.crm_task`).
 #[derive(Debug, Clone, Copy, Default)]
@@ -119,5 +175,22 @@ impl Crm for LocalCrm {
                 },
             })
             .collect())
+    }
+
+    async fn create_usual(
+        &self,
+        pool: &PgPool,
+        arrivals: &[Arrival],
+        requests: &[TaskRequest],
+    ) -> Result<Option<Vec<TaskOutcome>>, CrmError> {
+        let query = inbox::bind_new_arrivals(
+            sqlx::query_as(sqlx::AssertSqlSafe(CREATE_USUAL_TASKS.as_str())),
+            arrivals,
+            Self::USUAL_OUTCOME,
+        )
+        .bind(requests.iter().map(|r| r.payload.clone()).collect::<Vec<_>>())
+        .bind(requests.iter().map(|r| r.approved_by.as_str()).collect::<Vec<_>>())
+        .bind(requests.iter().map(|r| r.traceparent.as_deref()).collect::<Vec<_>>());
+        run_usual(query, pool, arrivals, |task_id| task_id.map(|task_id| TaskOutcome::Created { task_id })).await
     }
 }

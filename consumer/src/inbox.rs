@@ -48,6 +48,47 @@ pub async fn insert_new_arrivals(
     Ok(rows.into_iter().map(|(k,)| k).collect())
 }
 
+/// The inbox's half of the one-statement batch ([`Crm::create_usual`](crate::crm::Crm::create_usual)):
+/// `crm_insert` (the CRM's own `INSERT`, with its parameters from `$5` on) preceded by the insert of
+/// every arrival (`$1` keys, `$2` payload hashes, `$3` stream sequences, `$4` outcome) as a
+/// data-modifying CTE. Neither insert has `ON CONFLICT`: a key the inbox (or the CRM) already holds
+/// fails the whole statement with a unique violation ([`is_not_usual`]), so it writes all or nothing.
+/// Built once from constant SQL only (no input reaches the text), hence `AssertSqlSafe` where it runs.
+pub(crate) fn with_new_arrivals(crm_insert: &str) -> String {
+    format!(
+        r#"
+        WITH arrived AS (
+            INSERT INTO handoff_consumer.inbox (operation_key, payload_hash, stream_sequence, outcome)
+            SELECT k, h, s, $4 FROM UNNEST($1::text[], $2::text[], $3::bigint[]) AS u(k, h, s)
+        )
+        {crm_insert}"#
+    )
+}
+
+/// A [`with_new_arrivals`] statement: it returns each created row's operation key and, where the
+/// CRM has one, its task id.
+pub(crate) type UsualQuery<'q> =
+    sqlx::query::QueryAs<'q, sqlx::Postgres, (String, Option<i64>), sqlx::postgres::PgArguments>;
+
+/// Binds the inbox's parameters (`$1`-`$4`) of a [`with_new_arrivals`] statement.
+pub(crate) fn bind_new_arrivals<'q>(
+    query: UsualQuery<'q>,
+    arrivals: &'q [Arrival],
+    outcome: &'q str,
+) -> UsualQuery<'q> {
+    query
+        .bind(arrivals.iter().map(|a| a.operation_key.as_str()).collect::<Vec<_>>())
+        .bind(arrivals.iter().map(|a| a.payload_hash.as_str()).collect::<Vec<_>>())
+        .bind(arrivals.iter().map(|a| a.stream_sequence).collect::<Vec<_>>())
+        .bind(outcome)
+}
+
+/// Whether `error` is a [`with_new_arrivals`] statement finding a key already held: the batch is
+/// not the usual one, nothing was written, and the batch transaction decides each message instead.
+pub fn is_not_usual(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(e) if e.is_unique_violation())
+}
+
 /// The recorded payload hash of each key already in the inbox.
 pub async fn recorded_hashes(conn: &mut PgConnection, keys: &[&str]) -> Result<HashMap<String, String>, sqlx::Error> {
     let rows: Vec<(String, String)> = sqlx::query_as(

@@ -39,6 +39,21 @@ pub struct CallLabel {
     pub call: &'static str,
 }
 
+/// `path="one_statement"`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PathLabel {
+    pub path: &'static str,
+}
+
+/// The path words of `handoff_consumer_batches_total`: how a batch was recorded.
+pub mod path {
+    /// The usual batch (every key new), in one statement.
+    pub const ONE_STATEMENT: &str = "one_statement";
+    /// Any other batch, in the batch transaction that decides each message.
+    pub const TRANSACTION: &str = "transaction";
+    pub const ALL: [&str; 2] = [ONE_STATEMENT, TRANSACTION];
+}
+
 /// `state="unknown"`.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StateLabel {
@@ -73,6 +88,7 @@ pub struct Totals {
 pub struct ConsumerMetrics {
     pub messages: Family<MessageLabels, Counter>,
     pub batch_duration: Histogram,
+    pub batch_paths: Family<PathLabel, Counter>,
     pub batch_errors: Counter,
     pub unsigned: Counter,
     pub pending_messages: Gauge,
@@ -111,6 +127,7 @@ impl ConsumerMetrics {
         let metrics = Self {
             messages: Family::default(),
             batch_duration: histogram(),
+            batch_paths: Family::default(),
             batch_errors: Counter::default(),
             unsigned: Counter::default(),
             pending_messages: Gauge::default(),
@@ -138,6 +155,11 @@ impl ConsumerMetrics {
             "Time to verify, commit and acknowledge one batch",
             Unit::Seconds,
             m.batch_duration,
+        );
+        registry.register(
+            "handoff_consumer_batches",
+            "Batches recorded, by path: one_statement (every key new) or transaction (redeliveries, conflicts, dead letters)",
+            m.batch_paths.clone(),
         );
         registry.register(
             "handoff_consumer_batch_errors",
@@ -210,7 +232,15 @@ impl ConsumerMetrics {
         for state in SAMPLED_LEDGER_STATES {
             let _ = metrics.ledger_rows.get_or_create(&StateLabel { state: state.as_str() });
         }
+        for path in path::ALL {
+            let _ = metrics.batches(path);
+        }
         metrics
+    }
+
+    /// The batch counter of one [`path`].
+    pub fn batches(&self, path: &'static str) -> Counter {
+        self.batch_paths.get_or_create(&PathLabel { path }).clone()
     }
 
     /// Adds one batch's counts per (action type, outcome).

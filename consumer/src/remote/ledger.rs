@@ -2,6 +2,7 @@
 //! operators' audit (`audit`): every statement on those tables. See the state diagram in
 //! `migrations/20261129000002_remote_crm_ledger.sql` and [`LedgerState`].
 
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -11,6 +12,7 @@ use sqlx::{PgConnection, PgPool};
 use super::LedgerState;
 use super::decide::Decision;
 use crate::crm::{Crm, CrmError, TaskOutcome, TaskRequest};
+use crate::inbox::{self, Arrival};
 
 /// The intake side of a remote CRM: inside the consumer's batch transaction, each new key gets a
 /// ledger row (`received`) that the dispatcher will drive to `settled` or `review`. The message is
@@ -21,6 +23,17 @@ pub struct LedgerCrm {
     /// (account, operation key), and a dispatcher only works its own account's rows.
     pub account: String,
 }
+
+/// [`LedgerCrm`]'s half of [`Crm::create_usual`]: a `received` ledger row per arrival (`$1` keys,
+/// `$2` hashes) for the account `$5`.
+static ACCEPT_USUAL: LazyLock<String> = LazyLock::new(|| {
+    inbox::with_new_arrivals(
+        r#"
+        INSERT INTO handoff_consumer.crm_operation (operation_key, account, payload_hash, payload, traceparent)
+        SELECT k, $5, h, p, t FROM UNNEST($1::text[], $2::text[], $6::jsonb[], $7::text[]) AS u(k, h, p, t)
+        RETURNING operation_key, NULL::bigint"#,
+    )
+});
 
 impl Crm for LedgerCrm {
     const USUAL_OUTCOME: &'static str = crate::inbox::outcome::ACCEPTED;
@@ -76,6 +89,23 @@ impl Crm for LedgerCrm {
                 }
             })
             .collect())
+    }
+
+    async fn create_usual(
+        &self,
+        pool: &PgPool,
+        arrivals: &[Arrival],
+        requests: &[TaskRequest],
+    ) -> Result<Option<Vec<TaskOutcome>>, CrmError> {
+        let query = inbox::bind_new_arrivals(
+            sqlx::query_as(sqlx::AssertSqlSafe(ACCEPT_USUAL.as_str())),
+            arrivals,
+            Self::USUAL_OUTCOME,
+        )
+        .bind(&self.account)
+        .bind(requests.iter().map(|r| r.payload.clone()).collect::<Vec<_>>())
+        .bind(requests.iter().map(|r| r.traceparent.as_deref()).collect::<Vec<_>>());
+        crate::crm::run_usual(query, pool, arrivals, |_| Some(TaskOutcome::Accepted)).await
     }
 }
 

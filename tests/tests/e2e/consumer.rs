@@ -6,6 +6,7 @@ use std::time::Duration;
 use async_nats::jetstream::message::PublishMessage;
 use futures::StreamExt;
 use handoff_consumer::Handled;
+use handoff_consumer::crm::{Crm, TaskOutcome};
 use handoff_tests::{SEED_TITLE, TestEnv, eventually};
 
 const WAIT: Duration = Duration::from_secs(5);
@@ -482,4 +483,157 @@ async fn a_newer_envelope_version_waits_for_an_upgraded_consumer_and_is_never_de
     let counts = env.consumer_counts().await.unwrap();
     assert_eq!((counts.tasks, counts.inbox, counts.dead_letters), (2, 2, 0));
     assert_eq!(env.stream_messages().await.unwrap(), 2);
+}
+
+/// The usual batch (every key new) is recorded in one statement; a batch with a key the inbox
+/// already holds is recorded by the batch transaction, which decides each message.
+#[tokio::test]
+async fn a_usual_batch_is_one_statement_and_a_batch_with_a_held_key_goes_to_the_transaction() {
+    use handoff_consumer::metrics::path;
+    let env = TestEnv::start().await.unwrap();
+    let relay = env.relay(env.relay_settings()).await.unwrap();
+    let consumer = env.consumer(env.consumer_settings()).await.unwrap();
+    let batches = |p| consumer.metrics().batches(p).get();
+    for case in ["case-104", "case-105", "case-106"] {
+        env.approve(case, SEED_TITLE).await.unwrap();
+    }
+    assert_eq!(relay.publish_batch().await.unwrap().published, 3);
+    let handled = consumer.fetch_and_handle(WAIT).await.unwrap();
+    assert_eq!(handled.len(), 3, "{handled:?}");
+    assert!(handled.iter().all(|h| matches!(h, Handled::Created { .. })), "{handled:?}");
+    assert_eq!((batches(path::ONE_STATEMENT), batches(path::TRANSACTION)), (1, 0));
+
+    // case-107 arrives with case-108, whose key the inbox already holds (as after a restore of
+    // the CRM store from an older backup than the inbox): no task for it, one for case-107.
+    env.approve("case-107", SEED_TITLE).await.unwrap();
+    env.approve("case-108", SEED_TITLE).await.unwrap();
+    let hash: String = sqlx::query_scalar(
+        "SELECT payload_hash FROM handoff.approved_action WHERE operation_key = 'harbor:create-followup:v1:case-108'",
+    )
+    .fetch_one(&env.producer_db)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO handoff_consumer.inbox (operation_key, payload_hash, stream_sequence, outcome)
+         VALUES ('harbor:create-followup:v1:case-108', $1, 0, 'task_created')",
+    )
+    .bind(&hash)
+    .execute(&env.consumer_db)
+    .await
+    .unwrap();
+    assert_eq!(relay.publish_batch().await.unwrap().published, 2);
+    let mut handled = Vec::new();
+    while handled.len() < 2 {
+        let batch = consumer.fetch_and_handle(WAIT).await.unwrap();
+        assert!(!batch.is_empty(), "both messages arrive; got {handled:?}");
+        handled.extend(batch);
+    }
+    assert!(handled.contains(&Handled::Duplicate { operation_key: "harbor:create-followup:v1:case-108".into() }));
+    assert!(
+        handled
+            .iter()
+            .any(|h| matches!(h, Handled::Created { operation_key, .. } if operation_key.ends_with("case-107"))),
+        "{handled:?}"
+    );
+    assert!(batches(path::TRANSACTION) >= 1, "the held key sent its batch to the transaction");
+    let counts = env.consumer_counts().await.unwrap();
+    assert_eq!((counts.inbox, counts.tasks, counts.reviews), (5, 4, 0));
+}
+
+/// The one statement writes all or nothing: one key already held (here committed by another
+/// replica while the statement waited on it) and none of the batch's rows are written.
+#[tokio::test]
+async fn the_one_statement_batch_writes_nothing_when_another_replica_commits_one_of_its_keys_first() {
+    use handoff_consumer::crm::TaskRequest;
+    use handoff_consumer::inbox::Arrival;
+    let env = TestEnv::start().await.unwrap();
+    // Builds the stream and the consumer schema.
+    drop(env.relay(env.relay_settings()).await.unwrap());
+    drop(env.consumer(env.consumer_settings()).await.unwrap());
+    let keys = ["harbor:create-followup:v1:case-104", "harbor:create-followup:v1:case-105"];
+    let arrivals: Vec<Arrival> = keys
+        .iter()
+        .zip(1..)
+        .map(|(k, s)| Arrival { operation_key: (*k).into(), payload_hash: "h".repeat(64), stream_sequence: s })
+        .collect();
+    let requests: Vec<TaskRequest> = keys
+        .iter()
+        .map(|k| TaskRequest {
+            operation_key: (*k).into(),
+            payload_hash: "h".repeat(64),
+            payload: serde_json::json!({"title": SEED_TITLE}),
+            approved_by: "user-17".into(),
+            traceparent: None,
+        })
+        .collect();
+
+    // Another replica's transaction holds case-105's inbox row, not yet committed.
+    let mut other = env.consumer_db.begin().await.unwrap();
+    sqlx::query(
+        "INSERT INTO handoff_consumer.inbox (operation_key, payload_hash, stream_sequence, outcome)
+         VALUES ($1, $2, 9, 'task_created')",
+    )
+    .bind(keys[1])
+    .bind("h".repeat(64))
+    .execute(&mut *other)
+    .await
+    .unwrap();
+    let pool = env.consumer_db.clone();
+    let (a, r) = (arrivals.clone(), requests.clone());
+    let usual = tokio::spawn(async move { handoff_consumer::LocalCrm.create_usual(&pool, &a, &r).await });
+    // The statement waits on case-105's unique index entry...
+    eventually("the one statement to wait for the other transaction", Duration::from_secs(10), || async {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%WITH arrived AS%'",
+        )
+        .fetch_one(&env.consumer_db)
+        .await?;
+        Ok((waiting == 1).then_some(()))
+    })
+    .await
+    .unwrap();
+    // ...which the other replica now commits.
+    other.commit().await.unwrap();
+    let outcome = usual.await.unwrap().unwrap();
+    assert_eq!(outcome, None, "a held key: the batch transaction must decide");
+    let inbox: Vec<String> = sqlx::query_scalar("SELECT operation_key FROM handoff_consumer.inbox")
+        .fetch_all(&env.consumer_db)
+        .await
+        .unwrap();
+    assert_eq!(inbox, [keys[1]], "case-104 was not written either");
+    assert_eq!(env.tasks().await.unwrap(), 0);
+
+    // With every key new, the same statement writes every row.
+    let fresh: Vec<Arrival> = arrivals[..1].to_vec();
+    let outcome = handoff_consumer::LocalCrm.create_usual(&env.consumer_db, &fresh, &requests[..1]).await.unwrap();
+    assert!(matches!(outcome.as_deref(), Some([TaskOutcome::Created { .. }])), "{outcome:?}");
+    assert_eq!(env.tasks().await.unwrap(), 1);
+
+    // The remote CRM's ledger, the same way: a `received` row per new key, or nothing.
+    let ledger = handoff_consumer::remote::ledger::LedgerCrm { account: "default".into() };
+    let ledger_arrivals: Vec<Arrival> = ["case-201", "case-202"]
+        .iter()
+        .zip(20..)
+        .map(|(c, s)| Arrival {
+            operation_key: format!("harbor:create-followup:v1:{c}"),
+            payload_hash: "h".repeat(64),
+            stream_sequence: s,
+        })
+        .collect();
+    let ledger_requests: Vec<TaskRequest> = ledger_arrivals
+        .iter()
+        .map(|a| TaskRequest { operation_key: a.operation_key.clone(), ..requests[0].clone() })
+        .collect();
+    let outcome = ledger.create_usual(&env.consumer_db, &ledger_arrivals, &ledger_requests).await.unwrap();
+    assert_eq!(outcome, Some(vec![TaskOutcome::Accepted, TaskOutcome::Accepted]));
+    let received: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM handoff_consumer.crm_operation WHERE state = 'received' AND account = 'default'",
+    )
+    .fetch_one(&env.consumer_db)
+    .await
+    .unwrap();
+    assert_eq!(received, 2);
+    // Again: both keys are held now, so nothing is written and the transaction decides.
+    let outcome = ledger.create_usual(&env.consumer_db, &ledger_arrivals, &ledger_requests).await;
+    assert!(matches!(outcome, Ok(None)), "{outcome:?}");
 }
