@@ -35,6 +35,7 @@ const CONSUMER_METRICS: &[&str] = &[
     "handoff_consumer_messages_total",
     "handoff_consumer_batch_duration_seconds",
     "handoff_consumer_batch_errors_total",
+    "handoff_consumer_batches_total",
     "handoff_consumer_pending_messages",
     "handoff_consumer_ack_pending_messages",
     "handoff_consumer_redelivered_messages",
@@ -135,6 +136,9 @@ async fn metrics_of_running_binaries_show_a_backlog_rise_and_drain_to_zero() {
         assert!(has_metric(&consumer_text, name), "consumer /metrics lacks {name}:\n{consumer_text}");
     }
     assert!(!relay_text.contains("case-") && !consumer_text.contains("case-"), "no operation key in any label");
+    // New keys only: the binary records them as usual batches, one statement each.
+    let one_statement = series(&consumer_text, "handoff_consumer_batches_total{path=\"one_statement\"}");
+    assert!(one_statement.is_some_and(|n| n >= 1.0), "{consumer_text}");
 }
 
 #[tokio::test]
