@@ -13,6 +13,8 @@
 //! * `round_trip`: one message from publish to a waiting pull consumer: the latency yardstick.
 //! * `pipeline_round_trip`: one action from the producer's commit to the consumer's commit through
 //!   the same durable steps as the product, each minimal: the floor of the end-to-end latency.
+//! * `pipeline_under_load`: the same minimal steps at an offered load, rows committed every 10 ms
+//!   as the product's load generator commits them: the floor of the end-to-end latency at that load.
 //! * `crm_calls`: `concurrency` callers each POSTing tasks to the CRM simulator back to back, with
 //!   the body and headers the consumer sends: what the simulator itself allows at that concurrency.
 
@@ -168,7 +170,9 @@ const BARE_SCHEMA: &str = r#"
         next_attempt_at timestamptz NOT NULL DEFAULT now(),
         lease_owner     text,
         stream_sequence bigint,
-        published_at    timestamptz
+        published_at    timestamptz,
+        -- The producer's transaction: its commit timestamp survives the claim's and mark's updates.
+        recorded_xid    xid8 NOT NULL DEFAULT pg_current_xact_id()
     );
     CREATE INDEX bare_outbox_due ON bare_outbox (next_attempt_at) WHERE state = 'pending';
     CREATE TABLE bare_inbox (
@@ -322,10 +326,47 @@ async fn insert_inbox_and_tasks<'a>(
     Ok(())
 }
 
-/// The bare relay: claim 1,000, publish pipelined with message ids, await acks, mark; `workers`
-/// loops, each on its own NATS connection (as separate relay processes would be).
-pub async fn relay(world: &mut World, pool: &PgPool, n: i64, workers: usize) -> Result<Sample> {
-    let name = world.unique("BRELAY");
+/// One batch of the bare relay: claims up to [`CLAIM_BATCH`] due rows for `owner`, publishes them
+/// pipelined with their message ids on `subject`, awaits the PubAcks and marks the rows. Returns
+/// how many rows it moved (0: nothing was due).
+async fn relay_batch(pool: &PgPool, js: &async_nats::jetstream::Context, subject: &str, owner: &str) -> Result<usize> {
+    let rows: Vec<(i64, String, String)> =
+        sqlx::query_as(BARE_CLAIM).bind(CLAIM_BATCH).bind(owner).fetch_all(pool).await?;
+    if rows.is_empty() {
+        return Ok(0);
+    }
+    let mut acks = Vec::with_capacity(rows.len());
+    for (_, key, payload) in &rows {
+        let publish = PublishMessage::build().payload(Bytes::from(payload.clone())).message_id(key);
+        acks.push(js.send_publish(subject.to_owned(), publish).await?.into_future());
+    }
+    let mut ids = Vec::with_capacity(rows.len());
+    let mut seqs = Vec::with_capacity(rows.len());
+    for ((id, _, _), ack) in rows.iter().zip(join_all(acks).await) {
+        ids.push(*id);
+        seqs.push(ack?.sequence as i64);
+    }
+    sqlx::query(BARE_MARK).bind(&ids).bind(&seqs).execute(pool).await?;
+    Ok(rows.len())
+}
+
+/// One chunk of the bare consumer: the inbox and task rows of `messages` in one transaction.
+async fn store_chunk(pool: &PgPool, messages: &[async_nats::jetstream::Message]) -> Result<()> {
+    let rows: Vec<(String, serde_json::Value, i64)> = messages
+        .iter()
+        .map(|m| {
+            let key = m.headers.as_ref().and_then(|h| h.get(headers::MSG_ID)).map(|v| v.as_str().to_owned());
+            let seq = m.info().map(|i| i.stream_sequence as i64).unwrap_or_default();
+            let body = serde_json::from_slice(&m.payload).unwrap_or(serde_json::Value::Null);
+            (key.unwrap_or_default(), body, seq)
+        })
+        .collect();
+    insert_inbox_and_tasks(pool, rows.iter().map(|(k, b, s)| (k.as_str(), "bare", b.clone(), *s))).await
+}
+
+/// A fresh stream of the run's profile as the relay creates it: its name and subjects.
+async fn fresh_stream(world: &mut World, hint: &str) -> Result<(String, Subjects)> {
+    let name = world.unique(hint);
     let subjects = Subjects::new(name.to_lowercase())?;
     handoff_relay::publisher::ensure_stream(
         &world.js,
@@ -333,6 +374,13 @@ pub async fn relay(world: &mut World, pool: &PgPool, n: i64, workers: usize) -> 
         false,
     )
     .await?;
+    Ok((name, subjects))
+}
+
+/// The bare relay: claim 1,000, publish pipelined with message ids, await acks, mark; `workers`
+/// loops, each on its own NATS connection (as separate relay processes would be).
+pub async fn relay(world: &mut World, pool: &PgPool, n: i64, workers: usize) -> Result<Sample> {
+    let (name, subjects) = fresh_stream(world, "BRELAY").await?;
     let subject = format!("{}.bench.create-followup", subjects.prefix());
     let mut clients = Vec::new();
     for _ in 0..workers {
@@ -347,24 +395,11 @@ pub async fn relay(world: &mut World, pool: &PgPool, n: i64, workers: usize) -> 
             let owner = format!("bare-{w}");
             let mut moved = 0_u64;
             loop {
-                let rows: Vec<(i64, String, String)> =
-                    sqlx::query_as(BARE_CLAIM).bind(CLAIM_BATCH).bind(&owner).fetch_all(&pool).await?;
-                if rows.is_empty() {
+                let rows = relay_batch(&pool, &js, &subject, &owner).await?;
+                if rows == 0 {
                     return anyhow::Ok(moved);
                 }
-                let mut acks = Vec::with_capacity(rows.len());
-                for (_, key, payload) in &rows {
-                    let publish = PublishMessage::build().payload(Bytes::from(payload.clone())).message_id(key);
-                    acks.push(js.send_publish(subject.clone(), publish).await?.into_future());
-                }
-                let mut ids = Vec::with_capacity(rows.len());
-                let mut seqs = Vec::with_capacity(rows.len());
-                for ((id, _, _), ack) in rows.iter().zip(join_all(acks).await) {
-                    ids.push(*id);
-                    seqs.push(ack?.sequence as i64);
-                }
-                sqlx::query(BARE_MARK).bind(&ids).bind(&seqs).execute(&pool).await?;
-                moved += rows.len() as u64;
+                moved += rows as u64;
             }
         });
     }
@@ -431,17 +466,7 @@ pub async fn consumer(
                 };
                 let Some(chunk) = chunk else { bail!("pull stream ended") };
                 let messages = chunk.into_iter().collect::<Result<Vec<_>, _>>().map_err(|e| anyhow::anyhow!(e))?;
-                let rows: Vec<(String, serde_json::Value, i64)> = messages
-                    .iter()
-                    .map(|m| {
-                        let key =
-                            m.headers.as_ref().and_then(|h| h.get(headers::MSG_ID)).map(|v| v.as_str().to_owned());
-                        let seq = m.info().map(|i| i.stream_sequence as i64).unwrap_or_default();
-                        let body = serde_json::from_slice(&m.payload).unwrap_or(serde_json::Value::Null);
-                        (key.unwrap_or_default(), body, seq)
-                    })
-                    .collect();
-                insert_inbox_and_tasks(&pool, rows.iter().map(|(k, b, s)| (k.as_str(), "bare", b.clone(), *s))).await?;
+                store_chunk(&pool, &messages).await?;
                 if double_ack {
                     for acked in join_all(messages.iter().map(|m| m.double_ack())).await {
                         acked.map_err(|e| anyhow::anyhow!(e))?;
@@ -478,15 +503,8 @@ struct Waiting {
 }
 
 async fn waiting_consumer(world: &mut World, hint: &str) -> Result<Waiting> {
-    let name = world.unique(hint);
-    let subjects = Subjects::new(name.to_lowercase())?;
-    let stream = handoff_relay::publisher::ensure_stream(
-        &world.js,
-        &stream_settings(&name, &subjects, world.profile.replicas()),
-        false,
-    )
-    .await?;
-    let stream = world.js.get_stream(&stream.config.name).await?;
+    let (name, subjects) = fresh_stream(world, hint).await?;
+    let stream = world.js.get_stream(&name).await?;
     let consumer = stream
         .create_consumer(pull::Config {
             durable_name: Some("yardstick".into()),
@@ -550,19 +568,7 @@ pub async fn pipeline_round_trip(world: &mut World, pool: &PgPool, samples: usiz
                     _ = stop.cancelled() => return anyhow::Ok(()),
                     notification = listener.recv() => { notification?; }
                 }
-                let rows: Vec<(i64, String, String)> =
-                    sqlx::query_as(BARE_CLAIM).bind(CLAIM_BATCH).bind("pipeline").fetch_all(&pool).await?;
-                let mut acks = Vec::with_capacity(rows.len());
-                for (_, key, payload) in &rows {
-                    let publish = PublishMessage::build().payload(Bytes::from(payload.clone())).message_id(key.clone());
-                    acks.push(js.send_publish(subject.clone(), publish).await?);
-                }
-                let mut sequences = Vec::with_capacity(acks.len());
-                for ack in acks {
-                    sequences.push(ack.await?.sequence as i64);
-                }
-                let ids: Vec<i64> = rows.iter().map(|r| r.0).collect();
-                sqlx::query(BARE_MARK).bind(&ids).bind(&sequences).execute(&pool).await?;
+                relay_batch(&pool, &js, &subject, "pipeline").await?;
             }
         })
     };
@@ -591,6 +597,160 @@ pub async fn pipeline_round_trip(world: &mut World, pool: &PgPool, samples: usiz
     ensure!(tasks == samples as i64, "the bare pipeline made {tasks} tasks for {samples} actions");
     let stored = world.stream_messages(&name).await?;
     ensure!(stored == samples as u64, "the bare pipeline's stream holds {stored} messages for {samples} actions");
+    world.drop_stream(&name).await;
+    Ok(millis)
+}
+
+/// The bare producer under load: actions `$1..=$2` with keys `$3 || $4 || '-' || i` and the
+/// benchmark payloads, and one notification on `$5`, in one statement (one commit).
+const PIPELINE_LOAD_INSERT: &str = r#"
+    WITH rows AS (
+        INSERT INTO bare_outbox (operation_key, payload)
+        SELECT $3::text || $4::text || '-' || i,
+               jsonb_build_object('case_id', 'case-' || i, 'due', '2026-12-01', 'priority', 'normal',
+                                  'title', 'Call about the approved repair plan ' || i)
+          FROM generate_series($1::bigint, $2::bigint) AS i
+     RETURNING 1)
+    SELECT pg_notify($5, count(*)::text) FROM rows"#;
+
+/// The bare pipeline at an offered load of `rate` actions/s for `duration`: the floor of the
+/// end-to-end latency at that load, measured as the product's is.
+///
+/// The producer commits the actions due every 10 ms in one statement with a notification
+/// ([`workload::offer`], as the product's load generator commits them), in `producer`. `workers`
+/// bare relay loops (the product's relay has as many), each woken by its own LISTEN, claim
+/// ([`BARE_CLAIM`]) until nothing is due, publish pipelined with message ids, await the PubAcks and
+/// mark ([`BARE_MARK`]). `replicas` bare consumers on one durable, each on its own NATS connection,
+/// insert the inbox and task rows of each chunk they receive in one transaction in `consumer` (the
+/// consumer's own server, as the product's), commit, then ack. Nothing the product adds: no
+/// envelope, hash, signature, range record, verification or retry state.
+///
+/// Milliseconds per action from the producer's commit to the commit of the consumer transaction
+/// holding its task, both read as commit timestamps (`track_commit_timestamp`), as
+/// [`crate::system::Pipeline::latencies`] reads the product's.
+pub async fn pipeline_under_load(
+    world: &mut World,
+    producer: &PgPool,
+    consumer: &PgPool,
+    rate: f64,
+    duration: Duration,
+    (workers, replicas): (usize, usize),
+) -> Result<Vec<f64>> {
+    const BATCH: &str = "bl";
+    let (name, subjects) = fresh_stream(world, "BLOAD").await?;
+    let subject = format!("{}.bench.create-followup", subjects.prefix());
+    let durable = world.unique("bare");
+    world
+        .js
+        .get_stream(&name)
+        .await?
+        .create_consumer(pull::Config {
+            durable_name: Some(durable.clone()),
+            filter_subject: subjects.all(),
+            ack_policy: AckPolicy::Explicit,
+            deliver_policy: DeliverPolicy::All,
+            ack_wait: Duration::from_secs(30),
+            max_deliver: -1,
+            ..Default::default()
+        })
+        .await?;
+    let stop = CancellationToken::new();
+    let mut loops = JoinSet::new();
+    for _ in 0..replicas {
+        let js = async_nats::jetstream::new(async_nats::connect(world.nats.addrs()).await?);
+        let pull: async_nats::jetstream::consumer::PullConsumer = js.get_consumer_from_stream(&durable, &name).await?;
+        let mut chunks =
+            pull.stream().max_messages_per_batch(CONSUME_BATCH).messages().await?.ready_chunks(CONSUME_BATCH);
+        let (pool, stop) = (consumer.clone(), stop.clone());
+        loops.spawn(async move {
+            loop {
+                let chunk = tokio::select! {
+                    _ = stop.cancelled() => return anyhow::Ok(()),
+                    chunk = chunks.next() => chunk,
+                };
+                let Some(chunk) = chunk else { bail!("pull stream ended") };
+                let messages = chunk.into_iter().collect::<Result<Vec<_>, _>>().map_err(|e| anyhow::anyhow!(e))?;
+                store_chunk(&pool, &messages).await?;
+                for m in &messages {
+                    m.ack().await.map_err(|e| anyhow::anyhow!(e))?;
+                }
+            }
+        });
+    }
+    for w in 0..workers {
+        let mut listener = sqlx::postgres::PgListener::connect_with(producer).await?;
+        listener.listen(PIPELINE_CHANNEL).await?;
+        let (pool, js, subject, stop) = (producer.clone(), world.js.clone(), subject.clone(), stop.clone());
+        loops.spawn(async move {
+            let owner = format!("bare-{w}");
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return anyhow::Ok(()),
+                    notification = listener.recv() => { notification?; }
+                }
+                // Until nothing is due: rows committed meanwhile may have no notification left.
+                while relay_batch(&pool, &js, &subject, &owner).await? > 0 {}
+            }
+        });
+    }
+    let recorded = workload::offer(rate, duration, |first, n| async move {
+        sqlx::query(PIPELINE_LOAD_INSERT)
+            .bind(first)
+            .bind(first + n - 1)
+            .bind(workload::KEY_PREFIX)
+            .bind(BATCH)
+            .bind(PIPELINE_CHANNEL)
+            .execute(producer)
+            .await?;
+        Ok(())
+    })
+    .await;
+    // Every recorded action has its task, or a loop failed (or the recording did).
+    let waited = async {
+        let recorded = recorded?;
+        let started = Instant::now();
+        loop {
+            let tasks: i64 = sqlx::query_scalar("SELECT count(*) FROM bare_task").fetch_one(consumer).await?;
+            if tasks >= recorded {
+                return anyhow::Ok(recorded);
+            }
+            ensure!(started.elapsed() < Duration::from_secs(120), "the bare pipeline made {tasks} of {recorded} tasks");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    let recorded = tokio::select! {
+        recorded = waited => recorded,
+        Some(failed) = loops.join_next() => bail!("a bare pipeline loop ended early: {:?}", failed?.err()),
+    };
+    stop.cancel();
+    while let Some(result) = loops.join_next().await {
+        result??;
+    }
+    let recorded = recorded?;
+    let stored = world.stream_messages(&name).await?;
+    ensure!(stored == recorded as u64, "the bare pipeline's stream holds {stored} messages for {recorded} actions");
+    let tasks: i64 = sqlx::query_scalar("SELECT count(*) FROM bare_task").fetch_one(consumer).await?;
+    ensure!(tasks == recorded, "the bare pipeline made {tasks} tasks for {recorded} actions");
+    let committed: std::collections::HashMap<String, f64> = sqlx::query_as::<_, (String, Option<f64>)>(
+        "SELECT operation_key, extract(epoch FROM pg_xact_commit_timestamp(xid(recorded_xid)))::float8 FROM bare_outbox",
+    )
+    .fetch_all(producer)
+    .await?
+    .into_iter()
+    .map(|(key, at)| at.map(|at| (key, at)).context("no commit timestamp: is track_commit_timestamp on?"))
+    .collect::<Result<_>>()?;
+    let done: Vec<(String, Option<f64>)> = sqlx::query_as(
+        "SELECT operation_key, extract(epoch FROM pg_xact_commit_timestamp(xmin))::float8 FROM bare_task",
+    )
+    .fetch_all(consumer)
+    .await?;
+    let mut millis = Vec::with_capacity(done.len());
+    for (key, done) in done {
+        let done = done.context("no commit timestamp for a bare task: is track_commit_timestamp on?")?;
+        let at = committed.get(&key).with_context(|| format!("a bare task for {key}, which was not recorded"))?;
+        millis.push((done - at) * 1e3);
+    }
+    let _ = world.js.delete_consumer_from_stream(&durable, &name).await;
     world.drop_stream(&name).await;
     Ok(millis)
 }

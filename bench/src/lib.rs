@@ -1078,6 +1078,7 @@ async fn e2e_rows(
     report.rows.push(max_row);
 
     let loads: Vec<f64> = if full { args.loads.clone() } else { args.loads.iter().copied().take(1).collect() };
+    let first_load = loads.first().copied().unwrap_or_default();
     let mut pipeline = system::Pipeline::start(world, relays, replicas, &[]).await?;
     let mut delivered = 0_u64;
     for load in loads {
@@ -1109,6 +1110,41 @@ async fn e2e_rows(
         }
         let latency = Latency::of(&percentiles);
         let pct = (load * 100.0).round();
+        // The floor at this load: the bare pipeline's minimal steps at the same offered rate (at
+        // the lowest load only: above it the product's latency is its queueing, not its path).
+        let floor = if (load - first_load).abs() < 1e-9 {
+            let runs = repeat(args.runs, &format!("bare pipeline at {pct}% load"), async || {
+                let producer = world.database("bench_bare_load", 4).await?;
+                let consumer = world.consumer_database("bench_bare_load_consumer", 4).await?;
+                ceilings::create_bare_schema(&producer.pool).await?;
+                ceilings::create_bare_schema(&consumer.pool).await?;
+                let millis = ceilings::pipeline_under_load(
+                    world,
+                    &producer.pool,
+                    &consumer.pool,
+                    rate,
+                    Duration::from_secs_f64(args.load_secs),
+                    (world.relay_workers(), replicas),
+                )
+                .await;
+                world.drop_database(producer).await?;
+                world.drop_database(consumer).await?;
+                Ok(Percentiles::of(millis?))
+            })
+            .await?;
+            let row = yardstick_row(
+                p,
+                &format!("bare_pipeline/load={pct}%"),
+                &format!("yardstick: bare pipeline at {pct}% load ({rate:.0}/s), commit -> inbox+task commit"),
+                &runs,
+            )
+            .param("offered_per_s", rate)
+            .against(rtt);
+            report.rows.push(row.clone());
+            Some(row)
+        } else {
+            None
+        };
         let mut row = throughput_row(
             p,
             "e2e",
@@ -1142,6 +1178,9 @@ async fn e2e_rows(
         lat_row.check("consumer_tx_ms_p50_p99", json!([consumer_tx.p50.median, consumer_tx.p99.median]));
         // The same p99 against the floor of the path itself (two commits, a claim, a publish).
         lat_row.check("p99_over_bare_pipeline_p99", latency.p99.median / bare_pipeline.value.median);
+        if let Some(floor) = &floor {
+            lat_row.check("p99_over_bare_pipeline_at_load_p99", latency.p99.median / floor.value.median);
+        }
         if (load - 0.1).abs() < 1e-9 {
             let ratio = lat_row.ratio.unwrap_or(f64::INFINITY);
             lat_row.target("p99 <= 5x the bare round trip p99", ratio <= 5.0);

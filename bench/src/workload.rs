@@ -97,6 +97,16 @@ pub fn envelope_value(batch: &str, i: i64) -> Result<Envelope> {
 /// `batch-first ..`. Returns how many it recorded. Falls behind (and says so) if the database
 /// cannot keep up.
 pub async fn offer_load(pool: &PgPool, batch: &str, rate: f64, duration: Duration) -> Result<i64> {
+    offer(rate, duration, |first, n| record_actions(pool, batch, first, n)).await
+}
+
+/// The clock of [`offer_load`]: every 10 ms, `record(first, n)` commits the `n` actions due since
+/// the last tick, numbered from 1. Returns how many were recorded.
+pub async fn offer<F: Future<Output = Result<()>>>(
+    rate: f64,
+    duration: Duration,
+    mut record: impl FnMut(i64, i64) -> F,
+) -> Result<i64> {
     const TICK: Duration = Duration::from_millis(10);
     let start = Instant::now();
     let mut recorded = 0_i64;
@@ -107,7 +117,7 @@ pub async fn offer_load(pool: &PgPool, batch: &str, rate: f64, duration: Duratio
         let due = (rate * start.elapsed().as_secs_f64()) as i64;
         let n = due - recorded;
         if n > 0 {
-            record_actions(pool, batch, recorded + 1, n).await?;
+            record(recorded + 1, n).await?;
             recorded = due;
         }
     }
