@@ -3,18 +3,18 @@
 //! * [`outbox`] owns the producer tables and every statement on them, including the producer API
 //!   [`outbox::record_approved_action`] that runs inside the caller's transaction.
 //! * [`publisher`] owns the stream configuration and publishing (pipelined, atomic batches);
-//!   [`small_claims`] decides how `--publish-mode auto` sends a small claim.
+//!   [`auto_mode`] decides how `--publish-mode auto` sends a claim.
 //! * [`relay`] orchestrates claim -> publish -> mark and the run loop.
 //! * [`metrics`] is what `/metrics` shows; [`reconcile`] checks published rows against the stream.
 //! * [`config`] is the command line / environment surface of the `handoff-relay` binary.
 
+pub mod auto_mode;
 pub mod config;
 pub mod metrics;
 pub mod outbox;
 pub mod publisher;
 pub mod reconcile;
 pub mod relay;
-pub mod small_claims;
 
 pub use outbox::{ApprovedAction, RecordError, Recorded, record_approved_action};
 pub use publisher::StreamSettings;

@@ -41,6 +41,12 @@ pub struct StateLabel {
     pub state: &'static str,
 }
 
+/// `way="pipelined"` etc.: how a claim was published ([`crate::auto_mode::Way::label`]).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WayLabel {
+    pub way: &'static str,
+}
+
 /// `kind="lost_by_broker"` etc.: a reconciliation finding.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KindLabel {
@@ -76,6 +82,7 @@ pub struct RelayMetrics {
     pub held_paused: Family<ActionLabel, Counter>,
     pub batches: Counter,
     pub batch_errors: Counter,
+    pub claims_published: Family<WayLabel, Counter>,
     pub atomic_batches: Counter,
     pub atomic_fallbacks: Counter,
     pub claim_duration: Histogram,
@@ -107,6 +114,7 @@ impl RelayMetrics {
             held_paused: Family::default(),
             batches: Counter::default(),
             batch_errors: Counter::default(),
+            claims_published: Family::default(),
             atomic_batches: Counter::default(),
             atomic_fallbacks: Counter::default(),
             claim_duration: histogram(),
@@ -141,6 +149,11 @@ impl RelayMetrics {
             m.held_paused,
         );
         registry.register("handoff_relay_batches", "Claim-publish-settle batches completed", m.batches);
+        registry.register(
+            "handoff_relay_claims_published",
+            "Claims sent to the broker, by how: pipelined, atomic, or pipelined_first (auto trying pipelined on a large claim's first rows)",
+            m.claims_published,
+        );
         registry.register(
             "handoff_relay_atomic_batches",
             "Atomic batches committed (--publish-mode atomic or auto on nats-server 2.15+)",

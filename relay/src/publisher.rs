@@ -247,12 +247,11 @@ pub enum PublishMode {
     /// few fsyncs. A batch holding an id the broker already knows is rejected whole (10201) and is
     /// then published pipelined, so old rows report duplicates and new ones are stored.
     Atomic,
-    /// Atomic when the server is 2.15 or later (where a batch commits with a few fsyncs) and the
-    /// stream allows it, else pipelined (one warning). A claim of fewer than
-    /// [`AUTO_ATOMIC_MIN_ROWS`] rows (low load) goes the way this relay has timed faster
-    /// ([`crate::small_claims`]): pipelined on a broker that stores a message in microseconds,
-    /// where a small atomic batch waits longer for its commit, atomic where every pipelined
-    /// message waits for an fsync (`sync_interval: always`).
+    /// On a server of 2.15 or later (where a batch commits with a few fsyncs) whose stream allows
+    /// atomic batches, each claim goes the way this relay has timed faster, claims of fewer than
+    /// 100 rows (low load) and larger ones apart ([`crate::auto_mode`]): pipelined on a broker that
+    /// stores a message in microseconds, atomic where every pipelined message waits for an fsync
+    /// (`sync_interval: always`). Elsewhere pipelined (one warning).
     #[default]
     Auto,
 }
@@ -368,13 +367,6 @@ pub struct AtomicOutcome {
     /// Batches refused for a stored id (10201) and published per message instead.
     pub fallbacks: u64,
 }
-
-/// In `--publish-mode auto`, claims of at least this many rows are always atomic batches (where
-/// they save the fsyncs); smaller ones go the way the relay has timed faster
-/// ([`crate::small_claims`]). Measured (docs/benchmarks.md, session 12): at 10% load claims held
-/// about 14 rows and, on the default broker, commit -> PubAck recorded took p50 37 ms as atomic
-/// batches against 10 ms pipelined; full claims (1,000 rows) are where atomic batches save the fsyncs.
-pub const AUTO_ATOMIC_MIN_ROWS: usize = 100;
 
 /// Atomic batches one relay worker keeps open at once: a stream allows 50 open batches (all
 /// relays and workers together), and a claim of the default 1,000 rows is one batch.

@@ -14,6 +14,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+use async_nats::jetstream::context::PublishError;
+use async_nats::jetstream::publish::PublishAck;
 use chrono::{DateTime, Utc};
 use handoff_shared::config::Plans;
 use handoff_shared::logging::{Outage, error_chain};
@@ -28,11 +30,11 @@ use tokio::sync::Notify;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::metrics::{ClassLabel, KindLabel, ReasonLabel, RelayMetrics, action_type};
+use crate::auto_mode::{AutoMode, Way};
+use crate::metrics::{ClassLabel, KindLabel, ReasonLabel, RelayMetrics, WayLabel, action_type};
 use crate::outbox::{self, Claim, ClaimedRow, FailedRow, Failure, Lease, PublishedRow, RangeClaim, RetentionPosition};
 use crate::publisher::{self, Outgoing, PublishMode, StreamSettings};
 use crate::reconcile::{self, AtSequence, MismatchKind, Scope};
-use crate::small_claims::{SmallClaim, SmallClaims};
 
 /// The channel `handoff.notify_outbox()` signals on.
 pub const NOTIFY_CHANNEL: &str = "handoff_outbox";
@@ -234,8 +236,8 @@ pub struct Relay {
     mode: PublishMode,
     /// Numbers this relay's atomic batches (their ids are `<owner>-<n>-<chunk>`).
     batch_counter: Arc<std::sync::atomic::AtomicU64>,
-    /// In auto mode, how small claims go out, from what the broker's answers took.
-    small_claims: Arc<SmallClaims>,
+    /// In auto mode, how claims go out, from what the broker's answers took.
+    auto_mode: Arc<AutoMode>,
     stream: StreamSettings,
     settings: RelaySettings,
     owner: String,
@@ -347,7 +349,7 @@ impl Relay {
             js,
             mode,
             batch_counter: Arc::default(),
-            small_claims: Arc::default(),
+            auto_mode: Arc::default(),
             stream,
             settings,
             owner,
@@ -441,31 +443,28 @@ impl Relay {
             }
         }
 
-        // In auto mode on a server with atomic batches, a small claim goes out as the broker has
-        // answered this relay's claims sooner (crate::small_claims); it feeds that estimate back.
-        let small = self.settings.publish_mode == PublishMode::Auto
-            && self.mode == PublishMode::Atomic
-            && outgoing.len() < publisher::AUTO_ATOMIC_MIN_ROWS;
-        let acks = match self.mode {
+        // In auto mode on a server with atomic batches, a claim goes out as the broker has answered
+        // this relay's claims of its size sooner (crate::auto_mode); it feeds that estimate back.
+        let auto = self.settings.publish_mode == PublishMode::Auto && self.mode == PublishMode::Atomic;
+        let messages = outgoing.len();
+        let way = match self.mode {
+            _ if outgoing.is_empty() => Way::Pipelined,
+            PublishMode::Atomic if auto => self.auto_mode.choose(messages),
+            PublishMode::Atomic => Way::Atomic,
+            PublishMode::Pipelined | PublishMode::Auto => Way::Pipelined,
+        };
+        if !outgoing.is_empty() {
+            self.metrics.claims_published.get_or_create(&WayLabel { way: way.label() }).inc();
+        }
+        let acks = match way {
             _ if outgoing.is_empty() => Vec::new(),
-            PublishMode::Atomic if !small || self.small_claims.choose(outgoing.len()) == SmallClaim::Atomic => {
-                let n = self.batch_counter.fetch_add(1, Ordering::Relaxed);
-                let sent = Instant::now();
-                let atomic = publisher::publish_atomic(&self.js, &format!("{}-{n}", self.owner), outgoing).await;
-                if small && atomic.committed == 1 && atomic.fallbacks == 0 {
-                    self.small_claims.atomic(sent.elapsed());
-                }
-                self.metrics.atomic_batches.inc_by(atomic.committed);
-                self.metrics.atomic_fallbacks.inc_by(atomic.fallbacks);
-                atomic.results
-            }
-            _ => {
-                let sent = Instant::now();
-                let results = publisher::publish_pipelined(&self.js, outgoing).await;
-                if small && results.iter().all(Result::is_ok) {
-                    self.small_claims.pipelined(sent.elapsed());
-                }
-                results
+            Way::Atomic => self.publish_atomic(outgoing, auto).await,
+            Way::Pipelined => self.publish_pipelined(outgoing, auto).await,
+            Way::PipelinedFirst(n) => {
+                let rest = outgoing.split_off(n.min(messages));
+                let mut acks = self.publish_pipelined(outgoing, auto).await;
+                acks.extend(self.publish_atomic(rest, false).await);
+                acks
             }
         };
         let published_at = Instant::now();
@@ -581,6 +580,32 @@ impl Relay {
             );
         }
         Ok(outcome)
+    }
+
+    /// Publishes `outgoing` in atomic batches; with `timed`, feeds how long a claim that was
+    /// committed whole took into the auto mode's estimate.
+    async fn publish_atomic(&self, outgoing: Vec<Outgoing>, timed: bool) -> Vec<Result<PublishAck, PublishError>> {
+        let (messages, n) = (outgoing.len(), self.batch_counter.fetch_add(1, Ordering::Relaxed));
+        let sent = Instant::now();
+        let atomic = publisher::publish_atomic(&self.js, &format!("{}-{n}", self.owner), outgoing).await;
+        if timed && atomic.fallbacks == 0 && atomic.results.iter().all(Result::is_ok) {
+            self.auto_mode.timed(Way::Atomic, messages, sent.elapsed());
+        }
+        self.metrics.atomic_batches.inc_by(atomic.committed);
+        self.metrics.atomic_fallbacks.inc_by(atomic.fallbacks);
+        atomic.results
+    }
+
+    /// Publishes `outgoing` pipelined; with `timed`, feeds how long it took until every message
+    /// was stored into the auto mode's estimate.
+    async fn publish_pipelined(&self, outgoing: Vec<Outgoing>, timed: bool) -> Vec<Result<PublishAck, PublishError>> {
+        let messages = outgoing.len();
+        let sent = Instant::now();
+        let results = publisher::publish_pipelined(&self.js, outgoing).await;
+        if timed && results.iter().all(Result::is_ok) {
+            self.auto_mode.timed(Way::Pipelined, messages, sent.elapsed());
+        }
+        results
     }
 
     /// The next claim, most urgent first: a dead relay's range, then due retries, then new rows.

@@ -105,8 +105,8 @@ fn help_text_of(binary: &str) -> String {
 }
 
 #[test]
-fn the_relay_binary_and_the_readme_name_the_claim_size_auto_always_sends_as_atomic_batches() {
-    let rule = format!("claims of fewer than {} rows", handoff_relay::publisher::AUTO_ATOMIC_MIN_ROWS);
+fn the_relay_binary_and_the_readme_name_the_claim_size_auto_times_apart() {
+    let rule = format!("claims of fewer than {} rows", handoff_relay::auto_mode::AUTO_ATOMIC_MIN_ROWS);
     let help = help_text_of("handoff-relay");
     assert!(help.contains(&rule), "handoff-relay --help should say {rule:?} for --publish-mode:\n{help}");
     let readme = readme().split_whitespace().collect::<Vec<_>>().join(" ");

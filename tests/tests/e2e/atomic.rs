@@ -6,8 +6,9 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use async_nats::jetstream::message::PublishMessage;
-use handoff_relay::RelaySettings;
+use handoff_relay::metrics::WayLabel;
 use handoff_relay::publisher::{self, Outgoing, PublishMode};
+use handoff_relay::{RelaySettings, auto_mode};
 use handoff_tests::{TestEnv, eventually};
 
 #[tokio::test]
@@ -127,15 +128,15 @@ async fn pipelined_mode_leaves_the_stream_without_atomic_batches_and_still_publi
 }
 
 #[tokio::test]
-async fn auto_times_small_claims_both_ways_and_sends_a_full_one_as_an_atomic_batch() {
+async fn auto_times_small_and_full_claims_both_ways_each_class_apart() {
     let env = TestEnv::start().await.unwrap();
     let relay = env.relay(RelaySettings { publish_mode: PublishMode::Auto, ..env.relay_settings() }).await.unwrap();
     assert_eq!(relay.publish_mode(), PublishMode::Atomic, "2.15 allows atomic batches");
-    let small = publisher::AUTO_ATOMIC_MIN_ROWS as i64 - 1;
+    let small = auto_mode::AUTO_ATOMIC_MIN_ROWS as i64 - 1;
     env.approve_many_via_sql(1, small).await.unwrap();
     assert_eq!(relay.publish_batch().await.unwrap().published, small as usize);
     assert_eq!(relay.metrics().atomic_batches.get(), 0, "a first small claim goes out pipelined");
-    // Pipelined has been timed: the next small claim is the one atomic trial (small_claims), and
+    // Pipelined has been timed: the next small claim is the one atomic trial (auto_mode), and
     // the one after goes whichever way was faster (either way, each row is stored once).
     env.approve_many_via_sql(small + 1, 10).await.unwrap();
     assert_eq!(relay.publish_batch().await.unwrap().published, 10);
@@ -144,13 +145,29 @@ async fn auto_times_small_claims_both_ways_and_sends_a_full_one_as_an_atomic_bat
     assert_eq!(relay.publish_batch().await.unwrap().published, 10);
     let before_full = relay.metrics().atomic_batches.get();
 
-    let small = small + 20;
-    env.approve_many_via_sql(small + 1, 1_000).await.unwrap();
+    let ways = |way: &'static str| relay.metrics().claims_published.get_or_create(&WayLabel { way }).get();
+    let (pipelined, atomic) = (ways("pipelined"), ways("atomic"));
+    assert!(pipelined >= 1 && atomic >= 1 && pipelined + atomic == 3, "{pipelined} pipelined, {atomic} atomic");
+
+    // Full claims are timed apart from small ones: the first goes out as an atomic batch (where
+    // pipelined would cost a broker that fsyncs each message a thousand fsyncs), the second is
+    // the pipelined trial on its first rows only, the rest one atomic batch, and each row is stored
+    // once whichever way the third goes.
+    let recorded = small + 20;
+    env.approve_many_via_sql(recorded + 1, 1_000).await.unwrap();
     assert_eq!(relay.publish_batch().await.unwrap().published, 1_000);
-    assert_eq!(relay.metrics().atomic_batches.get(), before_full + 1, "a full claim is one atomic batch");
+    assert_eq!(relay.metrics().atomic_batches.get(), before_full + 1, "a first full claim is one atomic batch");
+    assert_eq!(ways("pipelined_first"), 0);
+    env.approve_many_via_sql(recorded + 1_001, 1_000).await.unwrap();
+    assert_eq!(relay.publish_batch().await.unwrap().published, 1_000);
+    assert_eq!(ways("pipelined_first"), 1, "the full claims' trial");
+    assert_eq!(relay.metrics().atomic_batches.get(), before_full + 2, "the rest of the trial's claim, atomic");
+    env.approve_many_via_sql(recorded + 2_001, 1_000).await.unwrap();
+    assert_eq!(relay.publish_batch().await.unwrap().published, 1_000);
     assert_eq!(relay.metrics().atomic_fallbacks.get(), 0);
-    assert_eq!(env.stream_messages().await.unwrap(), small as u64 + 1_000);
-    assert_eq!(env.published_sequences_match_the_stream().await.unwrap(), small as usize + 1_000);
+    let total = recorded + 3_000;
+    assert_eq!(env.stream_messages().await.unwrap(), total as u64);
+    assert_eq!(env.published_sequences_match_the_stream().await.unwrap(), total as usize);
 }
 
 #[tokio::test]

@@ -17,6 +17,7 @@ const RELAY_METRICS: &[&str] = &[
     "handoff_relay_publish_failures_total",
     "handoff_relay_blocked_total",
     "handoff_relay_batches_total",
+    "handoff_relay_claims_published_total",
     "handoff_relay_batch_errors_total",
     "handoff_relay_claim_duration_seconds",
     "handoff_relay_publish_duration_seconds",
