@@ -19,7 +19,8 @@
 //! setting.
 //!
 //! So it times them: every claim published pipelined, from sending its first message to its last
-//! PubAck, and every claim committed in atomic batches, from sending to the last commit's PubAck,
+//! PubAck, and every claim committed whole in atomic batches, from sending to the last commit's
+//! PubAck (the atomic rest of a [`Way::PipelinedFirst`] claim is not timed),
 //! each as a moving average per size class: seconds per claim for small claims (claims at one low
 //! load hold about as many rows either way, and what a claim waits for is its latency), seconds
 //! per row for large ones (their size varies with the backlog, and what matters is the rate). (The
@@ -49,7 +50,7 @@ pub const AUTO_ATOMIC_MIN_ROWS: usize = 100;
 pub const PROBE_EVERY: u64 = 256;
 
 /// One large claim in this many goes out the way not preferred. A pipelined probe on a broker that
-/// fsyncs each message costs its claim [`LARGE_TRIAL_ROWS`] fsyncs (about 30 ms on this machine's
+/// fsyncs each message costs its claim [`LARGE_TRIAL_ROWS`] fsyncs (about 26 ms on this machine's
 /// disk, against about 50 ms for a full claim in atomic batches): one claim in 256 keeps that
 /// under half a percent of a drain.
 pub const LARGE_PROBE_EVERY: u64 = 256;

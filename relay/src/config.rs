@@ -131,10 +131,10 @@ pub struct RelayConfig {
     pub unsigned: bool,
     /// How claimed batches are published: pipelined (one JetStream publish per message), atomic
     /// (atomic batches: a few fsyncs per batch with sync_interval always; needs nats-server 2.12+
-    /// and allow_atomic on the stream, which the relay turns on), or auto (atomic on 2.15+, where a
-    /// batch commits with a few fsyncs; else pipelined; claims of fewer than 100 rows go the way
-    /// the relay has timed faster: pipelined on a broker that stores in microseconds, atomic when
-    /// every message waits for an fsync).
+    /// and allow_atomic on the stream, which the relay turns on), or auto (on 2.15+, where a batch
+    /// commits with a few fsyncs, each claim goes the way the relay has timed faster, claims of
+    /// fewer than 100 rows and larger ones apart: pipelined on a broker that stores in
+    /// microseconds, atomic when every message waits for an fsync; else pipelined).
     #[arg(long, env = "HANDOFF_PUBLISH_MODE", value_enum, default_value = "auto")]
     pub publish_mode: crate::publisher::PublishMode,
     /// CloudEvents source attribute of published events.

@@ -588,7 +588,10 @@ impl Relay {
         let (messages, n) = (outgoing.len(), self.batch_counter.fetch_add(1, Ordering::Relaxed));
         let sent = Instant::now();
         let atomic = publisher::publish_atomic(&self.js, &format!("{}-{n}", self.owner), outgoing).await;
-        if timed && atomic.fallbacks == 0 && atomic.results.iter().all(Result::is_ok) {
+        // Timed only if every batch committed as one (a refused or mismatched batch goes out per
+        // message, which is not an atomic batch's time).
+        let whole = atomic.committed as usize == messages.div_ceil(publisher::ATOMIC_BATCH_LIMIT);
+        if timed && whole && atomic.fallbacks == 0 && atomic.results.iter().all(Result::is_ok) {
             self.auto_mode.timed(Way::Atomic, messages, sent.elapsed());
         }
         self.metrics.atomic_batches.inc_by(atomic.committed);
