@@ -447,24 +447,24 @@ impl Relay {
         // this relay's claims of its size sooner (crate::auto_mode); it feeds that estimate back.
         let auto = self.settings.publish_mode == PublishMode::Auto && self.mode == PublishMode::Atomic;
         let messages = outgoing.len();
-        let way = match self.mode {
-            _ if outgoing.is_empty() => Way::Pipelined,
-            PublishMode::Atomic if auto => self.auto_mode.choose(messages),
-            PublishMode::Atomic => Way::Atomic,
-            PublishMode::Pipelined | PublishMode::Auto => Way::Pipelined,
-        };
-        if !outgoing.is_empty() {
+        let acks = if outgoing.is_empty() {
+            Vec::new()
+        } else {
+            let way = match self.mode {
+                PublishMode::Atomic if auto => self.auto_mode.choose(messages),
+                PublishMode::Atomic => Way::Atomic,
+                PublishMode::Pipelined | PublishMode::Auto => Way::Pipelined,
+            };
             self.metrics.claims_published.get_or_create(&WayLabel { way: way.label() }).inc();
-        }
-        let acks = match way {
-            _ if outgoing.is_empty() => Vec::new(),
-            Way::Atomic => self.publish_atomic(outgoing, auto).await,
-            Way::Pipelined => self.publish_pipelined(outgoing, auto).await,
-            Way::PipelinedFirst(n) => {
-                let rest = outgoing.split_off(n.min(messages));
-                let mut acks = self.publish_pipelined(outgoing, auto).await;
-                acks.extend(self.publish_atomic(rest, false).await);
-                acks
+            match way {
+                Way::Atomic => self.publish_atomic(outgoing, auto).await,
+                Way::Pipelined => self.publish_pipelined(outgoing, auto).await,
+                Way::PipelinedFirst(n) => {
+                    let rest = outgoing.split_off(n.min(messages));
+                    let mut acks = self.publish_pipelined(outgoing, auto).await;
+                    acks.extend(self.publish_atomic(rest, false).await);
+                    acks
+                }
             }
         };
         let published_at = Instant::now();
