@@ -20,22 +20,35 @@
 //!
 //! So it times them: every claim published pipelined, from sending its first message to its last
 //! PubAck, and every claim committed whole in atomic batches, from sending to the last commit's
-//! PubAck (the atomic rest of a [`Way::PipelinedFirst`] claim is not timed),
-//! each as a moving average per size class: seconds per claim for small claims (claims at one low
-//! load hold about as many rows either way, and what a claim waits for is its latency), seconds
-//! per row for large ones (their size varies with the backlog, and what matters is the rate). (The
-//! PubAcks of a pipelined claim do not say how long each message took: the broker flushes its
-//! answers to a connection together, so they arrive about at once however many fsyncs they waited
-//! for.) A claim goes the way whose average is lower in its class. Each class starts the way that
-//! costs least if it is the wrong one: small claims pipelined (a few milliseconds lost per claim
-//! on a broker that fsyncs), large claims atomic (pipelined on such a broker would cost a full
-//! claim a thousand fsyncs). Once that way has been timed, one claim of the class is sent the other
-//! way as a trial, and from then on every [`PROBE_EVERY`]th small claim and every
-//! [`LARGE_PROBE_EVERY`]th large one goes the way not preferred, to keep that average current: the
-//! broker's settings and load change under a running relay. A large claim tries pipelined on its
-//! first [`LARGE_TRIAL_ROWS`] rows only and sends the rest in atomic batches
-//! ([`Way::PipelinedFirst`]): a hundred fsyncs on a broker that fsyncs each message, not a
-//! thousand.
+//! PubAck (the atomic rest of a [`Way::PipelinedFirst`] claim is not timed), each as an average
+//! per size class: seconds per claim for small claims (claims at one low load hold about as many
+//! rows either way, and what a claim waits for is its latency), seconds per row for large ones
+//! (their size varies with the backlog, and what matters is the rate). The first samples of a way
+//! count equally, later ones as a moving average. (The PubAcks of a pipelined claim do not say how
+//! long each message took: the broker flushes its answers to a connection together, so they arrive
+//! about at once however many fsyncs they waited for.) A claim goes the way whose average is lower
+//! in its class. Each class starts the way that costs least if it is the wrong one: small claims
+//! pipelined (a few milliseconds lost per claim on a broker that fsyncs), large claims atomic
+//! (pipelined on such a broker would cost a full claim a thousand fsyncs). Once that way has been
+//! timed, one claim of the class is sent the other way as a trial, and from then on every
+//! [`PROBE_EVERY`]th small claim and every [`LARGE_PROBE_EVERY`]th large one goes the way not
+//! preferred, to keep that average current: the broker's settings and load change under a running
+//! relay.
+//!
+//! While large claims go atomic, pipelined is tried in two steps. A screen sends a claim's first
+//! [`LARGE_TRIAL_ROWS`] rows pipelined and the rest in atomic batches ([`Way::PipelinedFirst`]):
+//! on a broker that fsyncs each message that costs a hundred fsyncs, not a thousand, and comes
+//! out several times slower per row than atomic. It is not compared with full claims as it is: a
+//! hundred rows carry a whole round trip, which per row is ten times what it is in a full claim
+//! (measured on the default broker: screens 13-24 µs per row against 17-28 µs for full atomic
+//! claims, so one screen left large claims atomic although whole pipelined claims drain faster).
+//! The screen's rows go out in [`SCREEN_PARTS`] parts, one after the other's PubAcks, and the
+//! faster part counts: a broker busy for a moment with another relay's atomic batch slows one part
+//! (such pauses made a third of one-part screens come out 2-6 times slower per row than atomic on
+//! the default broker), a broker that fsyncs each message slows every part.
+//! A screen within [`LARGE_SCREEN_MARGIN`] times the atomic average is followed by
+//! [`LARGE_WHOLE_TRIALS`] whole claims sent pipelined, and those decide: the two ways are compared
+//! on whole claims only. A wrong trial costs at most that many claims the margin.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -55,28 +68,47 @@ pub const PROBE_EVERY: u64 = 256;
 /// under half a percent of a drain.
 pub const LARGE_PROBE_EVERY: u64 = 256;
 
+/// A screen ([`Way::PipelinedFirst`]) passes when its seconds per row are at most this many times
+/// the atomic average of large claims: the round trip of a hundred rows is up to about half their
+/// time on a broker that stores in microseconds (screens 13-24 µs per row against 17-28 µs for full
+/// atomic claims, docs/benchmarks.md), while on a broker that fsyncs each message they come out
+/// five times slower than atomic or more.
+pub const LARGE_SCREEN_MARGIN: f64 = 2.0;
+
+/// A screen's rows go out pipelined in this many parts, each once the one before has its
+/// PubAcks, and the fastest part is its time. Measured with one part (docs/benchmarks.md): of 12
+/// relay processes draining a backlog two at a time on the default broker, 4 screened 43-125 µs
+/// per row against the others' 11-30, the broker busy with the other process's atomic batch of a
+/// thousand rows, and stayed atomic. Such a pause slows one part; a broker that fsyncs each
+/// message slows every part. Each part carries a round trip of its own.
+pub const SCREEN_PARTS: usize = 2;
+
+/// Whole large claims sent pipelined after a screen passed: their average against atomic's
+/// decides. More than one, so that one claim slowed by a busy machine does not decide alone.
+pub const LARGE_WHOLE_TRIALS: u32 = 2;
+
 /// At most one line per this long says that a class of claims changed how it goes out (near the
 /// break-even point the choice may go back and forth).
 const CHANGE_LOG_INTERVAL: Duration = Duration::from_secs(60);
 
-/// Weight of a new sample in the moving averages: recent enough to follow a broker that changed,
-/// smooth enough that one slow claim on a busy machine does not flip the choice.
+/// Weight of a new sample in the moving averages once a way has this many samples' inverse: recent
+/// enough to follow a broker that changed, smooth enough that one slow claim on a busy machine does
+/// not flip the choice. The first samples count equally.
 const NEW_SAMPLE_WEIGHT: f64 = 0.125;
 
-/// Rows of a large claim sent pipelined when pipelined is tried or probed while large claims go
-/// atomic ([`Way::PipelinedFirst`]): enough that the round trip is a small part of their time,
-/// few enough that on a broker that fsyncs each message the trial costs a fraction of a full
-/// claim's thousand fsyncs. At least [`AUTO_ATOMIC_MIN_ROWS`], so their timing is a large claim's.
+/// Rows of a large claim sent pipelined in a screen ([`Way::PipelinedFirst`]): few enough that on
+/// a broker that fsyncs each message the screen costs a tenth of a full claim's thousand fsyncs,
+/// enough that the round trips of its [`SCREEN_PARTS`] parts do not hide the rate within
+/// [`LARGE_SCREEN_MARGIN`]. A claim of this many rows or fewer is tried whole.
 pub const LARGE_TRIAL_ROWS: usize = 100;
-const _: () = assert!(LARGE_TRIAL_ROWS >= AUTO_ATOMIC_MIN_ROWS);
 
 /// How a claim is published.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Way {
     Pipelined,
     Atomic,
-    /// The first `n` rows pipelined (timed as a pipelined claim of `n` rows), the rest in atomic
-    /// batches: how a large claim tries pipelined while large claims go atomic.
+    /// The first `n` rows pipelined, the rest in atomic batches: the screen of pipelined while
+    /// large claims go atomic (its first `n` rows are timed as a screen, not as a pipelined claim).
     PipelinedFirst(usize),
 }
 
@@ -143,13 +175,35 @@ impl Class {
     }
 }
 
-/// The moving averages behind one class's choice, in seconds (per claim or per row), and the
+/// An average of seconds (per claim or per row): the mean of the first samples, then a moving
+/// average weighted [`NEW_SAMPLE_WEIGHT`].
+#[derive(Debug, Clone, Copy)]
+struct Average {
+    seconds: f64,
+    samples: u64,
+}
+
+impl Average {
+    fn fold(average: &mut Option<Self>, sample: f64) {
+        *average = Some(match *average {
+            None => Self { seconds: sample, samples: 1 },
+            Some(Self { seconds, samples }) => {
+                let weight = (1.0 / (samples + 1) as f64).max(NEW_SAMPLE_WEIGHT);
+                Self { seconds: seconds + weight * (sample - seconds), samples: samples + 1 }
+            }
+        });
+    }
+}
+
+/// The averages behind one class's choice, in seconds (per claim or per row), and the
 /// bookkeeping of probes.
 #[derive(Debug, Clone, Copy)]
 struct Estimates {
     class: Class,
-    pipelined: Option<f64>,
-    atomic: Option<f64>,
+    pipelined: Option<Average>,
+    atomic: Option<Average>,
+    /// Whole claims still to send pipelined after a screen passed.
+    whole_trials_due: u32,
     /// Claims of this class decided, for the periodic probe.
     decided: u64,
     /// Whether the first trial of the other way has been sent (it may not come back timed: a
@@ -166,6 +220,7 @@ impl Estimates {
             class,
             pipelined: None,
             atomic: None,
+            whole_trials_due: 0,
             decided: 0,
             trial_sent: false,
             preferred: class.start(),
@@ -173,11 +228,15 @@ impl Estimates {
         }
     }
 
-    fn average(&mut self, way: Way) -> &mut Option<f64> {
+    fn average(&mut self, way: Way) -> &mut Option<Average> {
         match way {
             Way::Pipelined | Way::PipelinedFirst(_) => &mut self.pipelined,
             Way::Atomic => &mut self.atomic,
         }
+    }
+
+    fn seconds(&mut self, way: Way) -> Option<f64> {
+        self.average(way).map(|a| a.seconds)
     }
 
     /// `way` for a trial or probe of a claim of `messages` rows: a large claim tries pipelined on
@@ -193,16 +252,20 @@ impl Estimates {
         self.decided += 1;
         let probe = self.decided.is_multiple_of(self.class.probe_every());
         let start = self.class.start();
-        let Some(started) = *self.average(start) else {
+        let Some(started) = self.seconds(start) else {
             return start;
         };
-        let Some(other) = *self.average(start.other()) else {
+        if self.whole_trials_due > 0 {
+            self.whole_trials_due -= 1;
+            return Way::Pipelined;
+        }
+        let Some(other) = self.seconds(start.other()) else {
             let trial = !self.trial_sent || probe;
             self.trial_sent = true;
             return if trial { self.tried(start.other(), messages) } else { start };
         };
         let preferred = if other < started { start.other() } else { start };
-        let (pipelined, atomic) = (self.pipelined.unwrap_or_default(), self.atomic.unwrap_or_default());
+        let (pipelined, atomic) = if start == Way::Atomic { (other, started) } else { (started, other) };
         let class = self.class.name();
         tracing::debug!(class, messages, pipelined, atomic, preferred = preferred.label(), "claim");
         if preferred != self.preferred {
@@ -229,11 +292,25 @@ impl Estimates {
 
     fn fold(&mut self, way: Way, messages: usize, took: Duration) {
         let sample = self.class.sample(messages, took);
-        let average = self.average(way);
-        *average = Some(match *average {
-            None => sample,
-            Some(old) => old + NEW_SAMPLE_WEIGHT * (sample - old),
-        });
+        if let Way::PipelinedFirst(_) = way {
+            // A screen: it decides whether whole claims try pipelined, not how claims go.
+            let atomic = self.seconds(Way::Atomic);
+            let passed = atomic.is_some_and(|atomic| sample <= LARGE_SCREEN_MARGIN * atomic);
+            if passed {
+                self.whole_trials_due = LARGE_WHOLE_TRIALS;
+            }
+            let class = self.class.name();
+            tracing::debug!(
+                class,
+                messages,
+                pipelined = sample,
+                atomic,
+                passed,
+                "publish mode auto: screen of pipelined"
+            );
+            return;
+        }
+        Average::fold(self.average(way), sample);
     }
 }
 
@@ -253,17 +330,20 @@ impl Default for AutoMode {
 impl AutoMode {
     /// How to publish a claim of `messages` rows.
     pub fn choose(&self, messages: usize) -> Way {
-        self.lock(messages).choose(messages)
+        self.estimates(Class::of(messages)).choose(messages)
     }
 
     /// Records a claim of `messages` rows published `way` whose every message was stored (an
-    /// atomic claim: committed without a fallback), `took` from sending to the last PubAck.
+    /// atomic claim: committed without a fallback), `took` from sending to the last PubAck; for
+    /// [`Way::PipelinedFirst`], its pipelined first `messages` rows.
     pub fn timed(&self, way: Way, messages: usize, took: Duration) {
-        self.lock(messages).fold(way, messages, took);
+        // A screen's part may hold fewer rows than a large claim; a screen is always a large one's.
+        let class = if let Way::PipelinedFirst(_) = way { Class::Large } else { Class::of(messages) };
+        self.estimates(class).fold(way, messages, took);
     }
 
-    fn lock(&self, messages: usize) -> std::sync::MutexGuard<'_, Estimates> {
-        let estimates = match Class::of(messages) {
+    fn estimates(&self, class: Class) -> std::sync::MutexGuard<'_, Estimates> {
+        let estimates = match class {
             Class::Small => &self.small,
             Class::Large => &self.large,
         };
@@ -321,14 +401,29 @@ mod tests {
         auto
     }
 
-    /// A relay whose full claims have been timed at `atomic` and (the trial) `pipelined` ms.
-    /// (The trial sends [`LARGE_TRIAL_ROWS`] rows pipelined; `pipelined` is for a full claim, so
-    /// the trial is timed at that rate.)
-    fn timed_large(atomic: f64, pipelined: f64) -> AutoMode {
+    /// What a screen of [`LARGE_TRIAL_ROWS`] rows adds to their time at a full claim's rate: one
+    /// round trip, in ms.
+    const ROUND_TRIP: f64 = 1.0;
+
+    /// A relay whose full claims have been timed at `atomic` ms and screened at the rate of
+    /// `pipelined` ms per full claim (plus a round trip).
+    fn screened_large(atomic: f64, pipelined: f64) -> AutoMode {
         let auto = AutoMode::default();
         auto.timed(Way::Atomic, FULL, ms(atomic));
-        assert_eq!(auto.choose(FULL), Way::PipelinedFirst(LARGE_TRIAL_ROWS), "the trial");
-        auto.timed(Way::Pipelined, LARGE_TRIAL_ROWS, ms(pipelined * LARGE_TRIAL_ROWS as f64 / FULL as f64));
+        let screen = Way::PipelinedFirst(LARGE_TRIAL_ROWS);
+        assert_eq!(auto.choose(FULL), screen, "the screen");
+        auto.timed(screen, LARGE_TRIAL_ROWS, ms(pipelined * LARGE_TRIAL_ROWS as f64 / FULL as f64 + ROUND_TRIP));
+        auto
+    }
+
+    /// A relay whose full claims have been timed at `atomic` ms, screened, and then timed whole at
+    /// `pipelined` ms in the whole trials that follow a screen within the margin.
+    fn timed_large(atomic: f64, pipelined: f64) -> AutoMode {
+        let auto = screened_large(atomic, pipelined);
+        for trial in 0..LARGE_WHOLE_TRIALS {
+            assert_eq!(auto.choose(FULL), Way::Pipelined, "whole trial {trial}");
+            auto.timed(Way::Pipelined, FULL, ms(pipelined));
+        }
         auto
     }
 
@@ -418,6 +513,69 @@ mod tests {
     }
 
     #[test]
+    fn a_screen_that_its_round_trip_makes_no_faster_than_atomic_is_followed_by_whole_trials_that_decide() {
+        // The default sync_interval: per row the screen (35 µs + 10 µs of round trip) is as slow
+        // as atomic (45 µs), whole pipelined claims are faster.
+        let auto = screened_large(45.0, 35.0);
+        for _ in 0..LARGE_WHOLE_TRIALS {
+            assert_eq!(auto.choose(FULL), Way::Pipelined);
+        }
+        assert_eq!(auto.choose(FULL), Way::Atomic, "no more than the whole trials until they are timed");
+        for _ in 0..LARGE_WHOLE_TRIALS {
+            auto.timed(Way::Pipelined, FULL, ms(35.0));
+        }
+        assert!(atomic_share(&auto, FULL, LARGE_PROBE_EVERY) <= 1, "pipelined, but for a probe");
+
+        // The whole trials are what decides: slower than atomic, large claims stay atomic.
+        let auto = screened_large(45.0, 35.0);
+        for _ in 0..LARGE_WHOLE_TRIALS {
+            assert_eq!(auto.choose(FULL), Way::Pipelined);
+            auto.timed(Way::Pipelined, FULL, ms(60.0));
+        }
+        let pipelined = LARGE_PROBE_EVERY - atomic_share(&auto, FULL, LARGE_PROBE_EVERY);
+        assert!(pipelined <= 1, "atomic, but for a probe: {pipelined} pipelined");
+    }
+
+    #[test]
+    fn a_screen_part_smaller_than_a_large_claim_is_a_large_claims_screen() {
+        let auto = AutoMode::default();
+        auto.timed(Way::Atomic, FULL, ms(45.0));
+        assert_eq!(auto.choose(FULL), Way::PipelinedFirst(LARGE_TRIAL_ROWS));
+        let part = LARGE_TRIAL_ROWS / SCREEN_PARTS;
+        assert!(part < AUTO_ATOMIC_MIN_ROWS);
+        auto.timed(Way::PipelinedFirst(part), part, ms(1.0));
+        assert_eq!(auto.choose(FULL), Way::Pipelined, "a whole trial follows the screen");
+        assert_eq!(auto.choose(SMALL), Way::Pipelined, "small claims: nothing timed, pipelined");
+        auto.timed(Way::Pipelined, SMALL, ms(1.0));
+        assert_eq!(auto.choose(SMALL), Way::Atomic, "small claims' own trial: the screen was not theirs");
+    }
+
+    #[test]
+    fn a_screen_beyond_the_margin_sends_no_whole_claim_pipelined() {
+        // sync_interval always: 100 fsyncs take 27 ms, 5.6 times atomic's 50 ms per 1,000 rows.
+        let auto = screened_large(50.0, 270.0);
+        let decisions = 4 * LARGE_PROBE_EVERY;
+        let ways: Vec<Way> = (0..decisions).map(|_| auto.choose(FULL)).collect();
+        assert!(!ways.contains(&Way::Pipelined), "no whole claim pipelined");
+        let screens = ways.iter().filter(|w| matches!(w, Way::PipelinedFirst(_))).count() as u64;
+        assert!(screens > 0 && screens <= probes(decisions, LARGE_PROBE_EVERY), "{screens} screens");
+        // A probe's screen that passes (the broker stopped fsyncing each message) brings whole
+        // trials.
+        auto.timed(Way::PipelinedFirst(LARGE_TRIAL_ROWS), LARGE_TRIAL_ROWS, ms(4.5));
+        assert_eq!(auto.choose(FULL), Way::Pipelined);
+    }
+
+    #[test]
+    fn the_first_samples_of_a_way_count_equally() {
+        let auto = timed_small(1.0, 1.9);
+        assert!(atomic_share(&auto, SMALL, 10) <= 1, "pipelined, faster");
+        // Pipelined's second claim takes 3 ms: its mean (2 ms) is slower than atomic's 1.9 ms (a
+        // moving average from the first sample would still say 1.25 ms).
+        auto.timed(Way::Pipelined, SMALL, ms(3.0));
+        assert!(atomic_share(&auto, SMALL, 10) >= 9, "atomic, faster");
+    }
+
+    #[test]
     fn a_broker_that_stores_in_microseconds_gets_full_claims_pipelined_but_for_the_probes() {
         // The default sync_interval, as measured here: a full claim 35 ms pipelined, 45 ms atomic.
         let auto = timed_large(45.0, 35.0);
@@ -431,7 +589,7 @@ mod tests {
     #[test]
     fn a_broker_that_fsyncs_each_message_keeps_full_claims_atomic_and_claims_of_any_size_compare_per_row() {
         // sync_interval always: 50 ms atomic against a quarter of a second pipelined.
-        let auto = timed_large(50.0, 270.0);
+        let auto = screened_large(50.0, 270.0);
         let decisions = 4 * LARGE_PROBE_EVERY;
         let atomic = atomic_share(&auto, FULL, decisions);
         assert!(atomic >= decisions - probes(decisions, LARGE_PROBE_EVERY), "{atomic} of {decisions} atomic");

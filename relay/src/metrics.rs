@@ -151,7 +151,7 @@ impl RelayMetrics {
         registry.register("handoff_relay_batches", "Claim-publish-settle batches completed", m.batches);
         registry.register(
             "handoff_relay_claims_published",
-            "Claims sent to the broker, by how: pipelined, atomic, or pipelined_first (auto trying pipelined on a large claim's first rows)",
+            "Claims sent to the broker, by how: pipelined, atomic, or pipelined_first (auto screening pipelined on a large claim's first rows)",
             m.claims_published,
         );
         registry.register(

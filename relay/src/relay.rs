@@ -30,7 +30,7 @@ use tokio::sync::Notify;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::auto_mode::{AutoMode, Way};
+use crate::auto_mode::{self, AutoMode, Way};
 use crate::metrics::{ClassLabel, KindLabel, ReasonLabel, RelayMetrics, WayLabel, action_type};
 use crate::outbox::{self, Claim, ClaimedRow, FailedRow, Failure, Lease, PublishedRow, RangeClaim, RetentionPosition};
 use crate::publisher::{self, Outgoing, PublishMode, StreamSettings};
@@ -461,7 +461,7 @@ impl Relay {
                 Way::Pipelined => self.publish_pipelined(outgoing, auto).await,
                 Way::PipelinedFirst(n) => {
                     let rest = outgoing.split_off(n.min(messages));
-                    let mut acks = self.publish_pipelined(outgoing, auto).await;
+                    let mut acks = self.publish_screen(outgoing, auto).await;
                     acks.extend(self.publish_atomic(rest, false).await);
                     acks
                 }
@@ -607,6 +607,34 @@ impl Relay {
         let results = publisher::publish_pipelined(&self.js, outgoing).await;
         if timed && results.iter().all(Result::is_ok) {
             self.auto_mode.timed(Way::Pipelined, messages, sent.elapsed());
+        }
+        results
+    }
+
+    /// Publishes a screen's rows pipelined in [`auto_mode::SCREEN_PARTS`] parts, each sent once the
+    /// one before has its PubAcks; with `timed`, feeds the fastest part into the auto mode's
+    /// estimate (a broker busy for a moment with another relay's atomic batch slows one part, a
+    /// broker that fsyncs each message every part).
+    async fn publish_screen(&self, mut outgoing: Vec<Outgoing>, timed: bool) -> Vec<Result<PublishAck, PublishError>> {
+        let part = outgoing.len().div_ceil(auto_mode::SCREEN_PARTS).max(1);
+        let mut results = Vec::with_capacity(outgoing.len());
+        let per_row = |(rows, took): (usize, Duration)| took.as_secs_f64() / rows as f64;
+        let mut fastest: Option<(usize, Duration)> = None;
+        while !outgoing.is_empty() {
+            let rest = outgoing.split_off(part.min(outgoing.len()));
+            let rows = outgoing.len();
+            let sent = Instant::now();
+            results.extend(publisher::publish_pipelined(&self.js, std::mem::replace(&mut outgoing, rest)).await);
+            let this = (rows, sent.elapsed());
+            if fastest.is_none_or(|fastest| per_row(this) < per_row(fastest)) {
+                fastest = Some(this);
+            }
+        }
+        if let Some((rows, took)) = fastest
+            && timed
+            && results.iter().all(Result::is_ok)
+        {
+            self.auto_mode.timed(Way::PipelinedFirst(rows), rows, took);
         }
         results
     }

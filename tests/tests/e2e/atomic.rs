@@ -151,8 +151,9 @@ async fn auto_times_small_and_full_claims_both_ways_each_class_apart() {
 
     // Full claims are timed apart from small ones: the first goes out as an atomic batch (where
     // pipelined would cost a broker that fsyncs each message a thousand fsyncs), the second is
-    // the pipelined trial on its first rows only, the rest one atomic batch, and each row is stored
-    // once whichever way the third goes.
+    // the pipelined screen on its first rows only, the rest one atomic batch; the third goes
+    // pipelined whole if the screen came out within the margin (a whole trial), else atomic, and
+    // each row is stored once either way.
     let recorded = small + 20;
     env.approve_many_via_sql(recorded + 1, 1_000).await.unwrap();
     assert_eq!(relay.publish_batch().await.unwrap().published, 1_000);
@@ -163,7 +164,9 @@ async fn auto_times_small_and_full_claims_both_ways_each_class_apart() {
     assert_eq!(ways("pipelined_first"), 1, "the full claims' trial");
     assert_eq!(relay.metrics().atomic_batches.get(), before_full + 2, "the rest of the trial's claim, atomic");
     env.approve_many_via_sql(recorded + 2_001, 1_000).await.unwrap();
+    let (pipelined, atomic) = (ways("pipelined"), ways("atomic"));
     assert_eq!(relay.publish_batch().await.unwrap().published, 1_000);
+    assert_eq!(ways("pipelined") + ways("atomic"), pipelined + atomic + 1, "the third, whole either way");
     assert_eq!(relay.metrics().atomic_fallbacks.get(), 0);
     let total = recorded + 3_000;
     assert_eq!(env.stream_messages().await.unwrap(), total as u64);
