@@ -48,7 +48,8 @@
 //! the default broker), a broker that fsyncs each message slows every part.
 //! A screen within [`LARGE_SCREEN_MARGIN`] times the atomic average is followed by
 //! [`LARGE_WHOLE_TRIALS`] whole claims sent pipelined, and those decide: the two ways are compared
-//! on whole claims only. A wrong trial costs at most that many claims the margin.
+//! on whole claims only. A screen that passes on a broker where whole pipelined claims are slower
+//! costs those few claims about the margin's factor each, once per probe.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -91,9 +92,9 @@ pub const LARGE_WHOLE_TRIALS: u32 = 2;
 /// break-even point the choice may go back and forth).
 const CHANGE_LOG_INTERVAL: Duration = Duration::from_secs(60);
 
-/// Weight of a new sample in the moving averages once a way has this many samples' inverse: recent
-/// enough to follow a broker that changed, smooth enough that one slow claim on a busy machine does
-/// not flip the choice. The first samples count equally.
+/// Weight of a new sample in a way's average from its eighth sample on (the first ones count
+/// equally, as a mean): recent enough to follow a broker that changed, smooth enough that one slow
+/// claim on a busy machine does not flip the choice.
 const NEW_SAMPLE_WEIGHT: f64 = 0.125;
 
 /// Rows of a large claim sent pipelined in a screen ([`Way::PipelinedFirst`]): few enough that on
