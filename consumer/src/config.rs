@@ -15,6 +15,7 @@ use handoff_shared::subject::Subjects;
 
 use crate::remote::dispatcher::{DispatchSettings, LEASE_MARGIN, MIN_HOLD};
 use crate::remote::{Adapter, Capability, HttpSettings, NonExecution, RecordMapping, RemoteCrm};
+use crate::subscription::ConsumerReplicas;
 use crate::{ConsumerSettings, SubscriptionSettings};
 
 /// JetStream's own default (1,000) lets only four replicas of 250 messages work at once; 10,000
@@ -62,6 +63,11 @@ pub struct ConsumerConfig {
         value_parser = clap::value_parser!(i64).range(1..=10_000_000)
     )]
     pub max_ack_pending: i64,
+    /// Servers that hold the durable consumer's state (1-5; default: as many as the stream). 1 on
+    /// an R3 stream cuts the broker's work per message (by half at low load), but while that one
+    /// server is down nothing is delivered (README, "JetStream settings that matter").
+    #[arg(long, env = "HANDOFF_CONSUMER_REPLICAS", value_name = "N", value_parser = consumer_replicas)]
+    pub consumer_replicas: Option<ConsumerReplicas>,
     /// Messages per transaction.
     #[arg(
         long,
@@ -110,6 +116,14 @@ pub struct ConsumerConfig {
     /// call the CRM; the ledger rows wait for a replica without --dry-run.
     #[arg(long, env = "HANDOFF_DRY_RUN", default_value_t = false)]
     pub dry_run: bool,
+}
+
+fn consumer_replicas(value: &str) -> Result<ConsumerReplicas, String> {
+    value
+        .parse()
+        .ok()
+        .and_then(ConsumerReplicas::new)
+        .ok_or_else(|| format!("{value:?} is not a replica count from 1 to {}", ConsumerReplicas::MAX))
 }
 
 /// Where tasks are created.
@@ -427,6 +441,7 @@ impl ConsumerConfig {
             ack_wait: Duration::from_secs(self.ack_wait_secs),
             max_ack_pending: self.max_ack_pending,
             stream_wait: Duration::from_secs(self.stream_wait_secs),
+            replicas: self.consumer_replicas,
         })
     }
 

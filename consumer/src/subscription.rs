@@ -2,8 +2,10 @@
 
 use std::time::Duration;
 
+use async_nats::jetstream::ErrorCode;
 use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, PullConsumer, pull};
 use async_nats::jetstream::stream::Stream;
+use async_nats::jetstream::stream::{ConsumerError, ConsumerErrorKind};
 
 /// The durable consumer's settings.
 #[derive(Debug, Clone)]
@@ -20,6 +22,34 @@ pub struct SubscriptionSettings {
     pub max_ack_pending: i64,
     /// How long to wait for the stream to exist at startup (the relay creates it).
     pub stream_wait: Duration,
+    /// Servers holding the durable consumer's state; `None` follows the stream (R3 on a 3-node
+    /// cluster). See [`ConsumerReplicas`].
+    pub replicas: Option<ConsumerReplicas>,
+}
+
+/// How many servers hold the durable consumer's state (its delivered and acknowledged positions),
+/// when it should differ from the stream's replicas.
+///
+/// On an R3 stream every delivery and every ack of an R3 consumer is a raft proposal replicated to
+/// the other two servers: more than half of what the cluster spends per message on the consuming
+/// side (docs/benchmarks.md, "The consumer's state on one server"). With 1 the state lives on one
+/// server of the stream's group, on its disk: the messages stay replicated, but while that server
+/// is down nothing is delivered (the relays keep publishing into the stream) until it is back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConsumerReplicas(u8);
+
+impl ConsumerReplicas {
+    /// The most replicas JetStream allows.
+    pub const MAX: u8 = 5;
+
+    /// `replicas` servers (1-5); more than the stream has is refused by the server at startup.
+    pub fn new(replicas: u8) -> Option<Self> {
+        (1..=Self::MAX).contains(&replicas).then_some(Self(replicas))
+    }
+
+    pub fn get(self) -> u8 {
+        self.0
+    }
 }
 
 /// Waits for the stream, then creates the durable consumer or updates it to these settings.
@@ -41,10 +71,34 @@ pub async fn bind(
             ack_wait: settings.ack_wait,
             max_deliver: -1,
             max_ack_pending: settings.max_ack_pending,
+            // 0: as many as the stream.
+            num_replicas: settings.replicas.map_or(0, |r| usize::from(r.get())),
             ..Default::default()
         })
-        .await?;
+        .await
+        .map_err(|error| refusal(settings, error))?;
     Ok(consumer)
+}
+
+/// The server's refusal of the durable consumer, with what to change when it is a setting of ours.
+fn refusal(settings: &SubscriptionSettings, error: ConsumerError) -> anyhow::Error {
+    // A cluster compares with the stream's replicas; a single server refuses any count above 1.
+    let replicas_refused = matches!(
+        error.kind(),
+        ConsumerErrorKind::JetStream(ref e) if [ErrorCode::CONSUMER_REPLICAS_EXCEEDS_STREAM, ErrorCode::STREAM_REPLICAS_NOT_SUPPORTED].contains(&e.error_code())
+    );
+    match settings.replicas {
+        Some(replicas) if replicas_refused => anyhow::Error::new(error).context(format!(
+            "--consumer-replicas (HANDOFF_CONSUMER_REPLICAS) is {} but stream {} has fewer replicas: \
+             lower it, or leave it unset to follow the stream",
+            replicas.get(),
+            settings.stream
+        )),
+        _ => anyhow::Error::new(error).context(format!(
+            "cannot create or update durable consumer {} on stream {}",
+            settings.durable_name, settings.stream
+        )),
+    }
 }
 
 async fn wait_for_stream(

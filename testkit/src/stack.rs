@@ -370,6 +370,7 @@ impl Stack {
             ack_wait: self.ack_wait,
             max_ack_pending: 20_000,
             stream_wait: Duration::from_secs(30),
+            replicas: None,
         }
     }
 

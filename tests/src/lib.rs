@@ -134,6 +134,7 @@ impl TestEnv {
             ack_wait: Duration::from_secs(1),
             max_ack_pending: 20_000,
             stream_wait: Duration::from_secs(30),
+            replicas: None,
         }
     }
 

@@ -217,3 +217,45 @@ async fn a_retry_racing_its_original_on_r3_is_in_process_and_the_next_retry_is_a
     assert!(in_process > 0, "no copy of {PAIRS} raced its original: the case was not exercised");
     assert_eq!(env.stream_messages().await.unwrap(), PAIRS as u64, "one message per key");
 }
+
+/// `--consumer-replicas 1` on an R3 stream keeps the durable's state on one node, as documented:
+/// the stream goes on taking every message while that node is down, nothing is delivered until it
+/// is back, and then every action is done exactly once.
+#[tokio::test]
+async fn a_consumer_state_on_one_node_waits_for_that_node_and_then_finishes_exactly_once() {
+    const HALF: i64 = 1_000;
+    let env = TestEnv::start_on_cluster().await.unwrap();
+    let cluster = env.nats.cluster().unwrap();
+    let one = [("HANDOFF_CONSUMER_REPLICAS", "1".to_owned())];
+    let mut services = vec![env.relay_process_with(&handoff_tests::quick_relay_retries()).unwrap()];
+    for _ in 0..2 {
+        services.push(env.consumer_process_with(&one).unwrap());
+    }
+    env.approve_many_via_sql(1, HALF).await.unwrap();
+    until_done(&env, HALF, "the first half").await;
+    let mut durable: async_nats::jetstream::consumer::PullConsumer =
+        env.js.get_consumer_from_stream("crm", &env.stream).await.unwrap();
+    let info = durable.info().await.unwrap().clone();
+    let placement = info.cluster.as_ref().expect("a clustered consumer");
+    assert_eq!((info.config.num_replicas, placement.replicas.len()), (1, 0), "the state on one node");
+    let host = placement.leader.clone().expect("the node holding the state");
+
+    cluster.node(&host).unwrap().nats.kill().await.unwrap();
+    env.approve_many_via_sql(HALF + 1, HALF).await.unwrap();
+    // The R3 stream keeps a quorum without that node: every row is published...
+    eventually("every row published", Duration::from_secs(300), || async {
+        Ok((env.outbox().await?.published == 2 * HALF).then_some(()))
+    })
+    .await
+    .unwrap();
+    // ...and none of them delivered: the first half was done before the kill, the second half was
+    // recorded after it, and only the dead node could deliver it.
+    assert_eq!(env.tasks().await.unwrap(), HALF, "nothing delivered without the consumer's node");
+
+    cluster.node(&host).unwrap().nats.start_again().await.unwrap();
+    until_done(&env, 2 * HALF, "every task once the node is back").await;
+    for service in &mut services {
+        assert!(!service.has_exited().unwrap(), "every relay and consumer rode out the outage");
+    }
+    assert_exactly_once(&env, 2 * HALF).await;
+}

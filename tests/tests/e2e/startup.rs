@@ -106,6 +106,36 @@ async fn a_setting_that_would_stall_is_refused_at_startup_naming_it() {
     assert!(out.stderr.contains("--crm-claim-ahead needs --crm-lease-secs"), "{}", out.stderr);
 }
 
+/// More consumer replicas than the stream has is refused by the server: the process ends naming
+/// the setting and leaves no durable consumer behind. A count out of range never gets that far.
+#[tokio::test]
+async fn a_consumer_replica_count_the_stream_cannot_hold_is_refused_naming_the_setting() {
+    let env = TestEnv::start().await.unwrap();
+    // Creates the stream (R1 on this single server), as a relay does before any consumer binds.
+    let _relay = env.relay(env.relay_settings()).await.unwrap();
+    let mut vars = env.service_env_for_consumer();
+    vars.push(("HANDOFF_CONSUMER_REPLICAS", "3".to_owned()));
+    let out = run_binary("handoff-consumer", &vars, &[], Duration::from_secs(60)).await.unwrap();
+    assert_eq!(out.code, Some(1), "{}", out.stderr);
+    let last = out.stderr.lines().last().unwrap_or_default();
+    assert!(
+        last.contains("--consumer-replicas (HANDOFF_CONSUMER_REPLICAS) is 3") && last.contains("fewer replicas"),
+        "{}",
+        out.stderr
+    );
+    let durable = env.subscription().durable_name;
+    let left: Result<async_nats::jetstream::consumer::PullConsumer, _> =
+        env.js.get_consumer_from_stream(&durable, &env.stream).await;
+    assert!(left.is_err(), "no durable consumer was created");
+    for bad in ["0", "6", "three"] {
+        let mut vars = env.service_env_for_consumer();
+        vars.push(("HANDOFF_CONSUMER_REPLICAS", bad.to_owned()));
+        let out = run_binary("handoff-consumer", &vars, &[], Duration::from_secs(30)).await.unwrap();
+        assert_eq!(out.code, Some(2), "{bad}: {}", out.stderr);
+        assert!(out.stderr.contains("--consumer-replicas") && out.stderr.contains("from 1 to 5"), "{}", out.stderr);
+    }
+}
+
 #[tokio::test]
 async fn an_untrusted_server_certificate_ends_the_process_at_once_naming_the_tls_settings() {
     let env = TestEnv::start().await.unwrap();
