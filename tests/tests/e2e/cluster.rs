@@ -259,3 +259,36 @@ async fn a_consumer_state_on_one_node_waits_for_that_node_and_then_finishes_exac
     }
     assert_exactly_once(&env, 2 * HALF).await;
 }
+
+/// The setting can change on a running deployment: a replica restarted with
+/// `--consumer-replicas 1` scales the durable's state down in place, keeping its position, and
+/// the actions recorded after that are done once too.
+#[tokio::test]
+async fn moving_the_consumer_state_to_one_node_keeps_its_position() {
+    const HALF: i64 = 500;
+    let env = TestEnv::start_on_cluster().await.unwrap();
+    let _relay = env.relay_process_with(&handoff_tests::quick_relay_retries()).unwrap();
+    let replica = env.consumer_process().unwrap();
+    env.approve_many_via_sql(1, HALF).await.unwrap();
+    until_done(&env, HALF, "the first half").await;
+    let durable: async_nats::jetstream::consumer::PullConsumer =
+        env.js.get_consumer_from_stream("crm", &env.stream).await.unwrap();
+    let before = durable.get_info().await.unwrap();
+    assert_eq!(before.cluster.as_ref().map(|c| c.replicas.len()), Some(2), "the state on three nodes");
+    drop(replica);
+
+    let _replica = env.consumer_process_with(&[("HANDOFF_CONSUMER_REPLICAS", "1".to_owned())]).unwrap();
+    let info = eventually("the durable on one node", Duration::from_secs(60), || async {
+        let info = durable.get_info().await?;
+        Ok((info.config.num_replicas == 1 && info.cluster.as_ref().is_some_and(|c| c.replicas.is_empty()))
+            .then_some(info))
+    })
+    .await
+    .unwrap();
+    assert_eq!(info.ack_floor.stream_sequence, HALF as u64, "the acknowledged position moved with it");
+    assert_eq!((info.num_pending, info.num_ack_pending), (0, 0), "nothing to deliver again");
+
+    env.approve_many_via_sql(HALF + 1, HALF).await.unwrap();
+    until_done(&env, 2 * HALF, "the second half").await;
+    assert_exactly_once(&env, 2 * HALF).await;
+}
