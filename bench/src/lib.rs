@@ -1047,9 +1047,15 @@ async fn e2e_rows(
     let (relays, replicas) = (args.e2e_relays, args.e2e_replicas);
     let shape = format!("{relays} relay(s) x {} workers, {replicas} replica(s)", world.relay_workers());
     eprintln!("-- end to end: {shape}");
+    let mut placements = Vec::new();
     let samples = repeat(args.runs, "e2e backlog", async || {
         let mut pipeline = system::Pipeline::start(world, relays, replicas, &[]).await?;
         let sample = system::e2e_backlog(world, &mut pipeline, n, 0).await;
+        if p == Profile::Cluster && sample.is_ok() {
+            let placement = world.placement(&pipeline.durable, &pipeline.stream).await?;
+            eprintln!("   placement: {placement}");
+            placements.push(placement);
+        }
         pipeline.stop(world).await?;
         sample
     })
@@ -1059,6 +1065,11 @@ async fn e2e_rows(
             .param("relays", relays)
             .param("replicas", replicas)
             .param("backlog", n);
+    if !placements.is_empty() {
+        // Which server led the stream and the durable in each run (a one-node consumer state
+        // lands on any of the stream's servers): the runs' spread may follow it.
+        max_row.check("placement_per_run", json!(placements.iter().map(ToString::to_string).collect::<Vec<_>>()));
+    }
     if p != Profile::Cluster {
         max_row.target(">= 10k actions/s", max_row.value.median >= 10_000.0);
     }

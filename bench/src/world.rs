@@ -277,6 +277,21 @@ impl World {
         Ok(consumer.get_info().await?)
     }
 
+    /// Which servers lead `stream` and its consumer `durable`, and how many hold the durable's state.
+    pub async fn placement(&self, durable: &str, stream: &str) -> Result<Placement> {
+        let consumer = self.consumer_info(durable, stream).await?;
+        let mut stream = self.js.get_stream(stream).await?;
+        let stream = stream.info().await?;
+        let leader = |c: Option<&async_nats::jetstream::stream::ClusterInfo>| {
+            c.and_then(|c| c.leader.clone()).unwrap_or_else(|| "-".into())
+        };
+        Ok(Placement {
+            stream_leader: leader(stream.cluster.as_ref()),
+            consumer_leader: leader(consumer.cluster.as_ref()),
+            consumer_replicas: consumer.cluster.as_ref().map_or(1, |c| c.replicas.len() + 1),
+        })
+    }
+
     /// CPU seconds used so far by the Postgres containers (together) and the NATS containers
     /// (together: all three nodes of a cluster).
     pub fn servers_cpu(&self) -> (Option<f64>, Option<f64>) {
@@ -540,5 +555,25 @@ mod tests {
     fn reads_its_own_cpu_time_and_peak_rss() {
         assert!(own_cpu_seconds().is_some_and(|s| s >= 0.0));
         assert!(process_peak_rss_mib(std::process::id()).is_some_and(|m| m > 0.0));
+    }
+}
+
+/// Where a stream and its durable are led from (see [`World::placement`]).
+#[derive(Debug, Clone)]
+pub struct Placement {
+    pub stream_leader: String,
+    pub consumer_leader: String,
+    /// Servers holding the durable's state (its leader and followers).
+    pub consumer_replicas: usize,
+}
+
+impl std::fmt::Display for Placement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let on = if self.stream_leader == self.consumer_leader { "on the stream leader" } else { "on a follower" };
+        write!(
+            f,
+            "stream led by {}, consumer (R{}) led by {} ({on})",
+            self.stream_leader, self.consumer_replicas, self.consumer_leader
+        )
     }
 }
