@@ -269,15 +269,21 @@ pub async fn claim_retry_rows(
 ///   (`pg_snapshot_xmin`: every older transaction has ended, so no row can appear behind it).
 ///   The cursor and the horizon are init plans, so this is an index range scan on
 ///   `outbox_commit_order` that stops after `$1` entries, whatever the backlog; nothing is sorted.
-/// * The cursor moves by compare-and-set: the update matches only if the cursor still holds the
-///   value this statement read. If another relay moved it first, READ COMMITTED re-checks the
-///   condition on the new version, nothing is written and the claim reports `contended` (the
-///   caller just claims again). Ranges therefore never overlap, without a lock held across
-///   statements or an explicit transaction.
+/// * When its snapshot shows a row after the cursor (`seen`, the cursor as the snapshot has it),
+///   the statement locks the cursor's row before it scans (`cursor` is `FOR NO KEY UPDATE`): under
+///   READ COMMITTED a claim that finds another relay moving the cursor waits for it and then reads
+///   the moved value, so the range starts where the other one ended and ranges never overlap. The
+///   lock is held for this one statement only (no explicit transaction, nothing held across round
+///   trips); a claim with nothing to do takes no lock and no transaction id. The scan still reads
+///   the statement's snapshot: if the moved cursor has left no row below this snapshot's horizon,
+///   nothing is claimed and the claim reports `contended` (the caller claims again at once, on a
+///   fresh snapshot). An earlier form moved the cursor by compare-and-set after the scan; a claim
+///   that lost the race had scanned its whole range for nothing (measured with 4 relays: more
+///   lost claims than ranges claimed).
 /// * The result always has a first status row; the rows of the range, with their approvals
 ///   (looked up per row by primary key, see [`ROWS_IN_RANGE`]), follow in commit order.
 pub const CLAIM_NEW_RANGE: &str = r#"
-    WITH cursor AS MATERIALIZED (
+    WITH seen AS MATERIALIZED (
         SELECT transaction_id, outbox_id FROM handoff.relay_cursor
     ), horizon AS MATERIALIZED (
         SELECT pg_snapshot_xmin(pg_current_snapshot()) AS xmin
@@ -288,12 +294,18 @@ pub const CLAIM_NEW_RANGE: &str = r#"
         SELECT $4 AND EXISTS (SELECT 1 FROM handoff.relay_batch WHERE lease_until <= now()) AS expired_range,
                $4 AND (SELECT next_attempt_at FROM handoff.outbox WHERE retrying AND next_attempt_at <= now()
                         ORDER BY next_attempt_at LIMIT 1) IS NOT NULL AS due_retries
+    ), work AS MATERIALIZED (
+        SELECT NOT (SELECT expired_range OR due_retries FROM priority)
+               AND EXISTS (SELECT 1 FROM handoff.outbox AS o
+                            WHERE (o.transaction_id, o.id) > ((SELECT transaction_id FROM seen), (SELECT outbox_id FROM seen))
+                              AND o.transaction_id < (SELECT xmin FROM horizon)) AS found
+    ), cursor AS MATERIALIZED (
+        SELECT transaction_id, outbox_id FROM handoff.relay_cursor WHERE (SELECT found FROM work) FOR NO KEY UPDATE
     ), next AS MATERIALIZED (
         SELECT o.transaction_id, o.id, o.operation_key, o.created_at, o.state, o.retrying
           FROM handoff.outbox AS o
          WHERE (o.transaction_id, o.id) > ((SELECT transaction_id FROM cursor), (SELECT outbox_id FROM cursor))
            AND o.transaction_id < (SELECT xmin FROM horizon)
-           AND NOT (SELECT expired_range OR due_retries FROM priority)
          ORDER BY o.transaction_id, o.id
          LIMIT $1
     ), last AS (
@@ -301,8 +313,6 @@ pub const CLAIM_NEW_RANGE: &str = r#"
     ), moved AS (
         UPDATE handoff.relay_cursor AS c SET transaction_id = last.transaction_id, outbox_id = last.id
           FROM last
-         WHERE c.transaction_id = (SELECT transaction_id FROM cursor)
-           AND c.outbox_id = (SELECT outbox_id FROM cursor)
      RETURNING c.outbox_id
     ), batch AS (
         INSERT INTO handoff.relay_batch
@@ -313,7 +323,10 @@ pub const CLAIM_NEW_RANGE: &str = r#"
     ), status AS (
         SELECT (SELECT id FROM batch) AS batch_id,
                (SELECT count(*) FROM next) AS scanned,
-               EXISTS (SELECT 1 FROM last) AND NOT EXISTS (SELECT 1 FROM moved) AS contended,
+               EXISTS (SELECT 1 FROM cursor) AND NOT EXISTS (SELECT 1 FROM moved)
+                   AND (EXISTS (SELECT 1 FROM last)
+                        OR (SELECT (transaction_id, outbox_id) FROM seen)
+                           IS DISTINCT FROM (SELECT (transaction_id, outbox_id) FROM cursor)) AS contended,
                p.expired_range,
                p.due_retries,
                -- The oldest committed row the horizon has not passed: the transaction to wait for.

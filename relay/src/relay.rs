@@ -128,8 +128,8 @@ const HORIZON_POLL: Duration = Duration::from_millis(1);
 /// is holding rows back, and the held-back rescue will deal with them.
 const HORIZON_FAST_POLLING: Duration = Duration::from_millis(25);
 
-/// Range claims in a row that may lose the cursor to other relays before one claim gives up (and
-/// reports more work due, so the worker comes straight back).
+/// Range claims in a row that may find the cursor moved past their snapshot by other relays
+/// before one claim gives up (and reports more work due, so the worker comes straight back).
 const CONTENDED_CLAIMS: usize = 4;
 
 /// Rows examined per retention statement: big enough to make progress, small enough that each
@@ -647,7 +647,10 @@ impl Relay {
         for _ in 0..CONTENDED_CLAIMS {
             match outbox::claim_new_range(&self.worker_pool, &self.owner, limit, lease, check_priority).await? {
                 RangeClaim::Claimed(claim) => return Ok(claim),
-                RangeClaim::Contended => continue,
+                RangeClaim::Contended => {
+                    tracing::debug!("another relay moved the range cursor past this claim's snapshot; claiming again");
+                    continue;
+                }
                 RangeClaim::Priority { expired_range, due_retries } => {
                     if expired_range
                         && let Some(claim) = outbox::claim_expired_range(&self.pool, &self.owner, lease).await?

@@ -1,9 +1,10 @@
 //! The relay's claim paths and retention on real Postgres and NATS: rows held back by an older open
-//! transaction, the rescue that hands them to the per-row path, retention, and rows left pending by
-//! a relay from before the range claim.
+//! transaction, the rescue that hands them to the per-row path, retention, rows left pending by
+//! a relay from before the range claim, and two relays claiming at once.
 
 use std::time::Duration;
 
+use handoff_relay::outbox::{self, RangeClaim};
 use handoff_relay::{Relay, RelaySettings};
 use handoff_tests::{SEED_TITLE, TestEnv};
 use sqlx::postgres::PgPoolOptions;
@@ -199,4 +200,76 @@ async fn rows_left_pending_by_a_relay_from_before_the_upgrade_are_published_on_t
         ]
     );
     assert_eq!(env.stream_messages().await.unwrap(), 2);
+}
+
+/// The new rows in commit order: each one's transaction id (as text) and id.
+async fn commit_order(pool: &sqlx::PgPool) -> Vec<(String, i64)> {
+    sqlx::query_as("SELECT transaction_id::text, id FROM handoff.outbox ORDER BY transaction_id, id")
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
+/// Records `rows` actions, then has another relay's claim move the cursor to the third of them and
+/// hold the cursor's row lock (an open transaction) while `relay-b` claims up to 10 rows: once that
+/// claim waits for the lock (`pg_locks`), the other commits. Returns the rows in commit order and
+/// what `relay-b` claimed.
+async fn claim_while_another_relay_moves_the_cursor(
+    pool: &sqlx::PgPool,
+    rows: i64,
+) -> (Vec<(String, i64)>, RangeClaim) {
+    handoff_tests::approve_range(pool, 1, rows).await.unwrap();
+    let order = commit_order(pool).await;
+    let mut other = pool.begin().await.unwrap();
+    sqlx::query("UPDATE handoff.relay_cursor SET transaction_id = $1::text::xid8, outbox_id = $2")
+        .bind(&order[2].0)
+        .bind(order[2].1)
+        .execute(&mut *other)
+        .await
+        .unwrap();
+    let claim = tokio::spawn({
+        let pool = pool.clone();
+        async move { outbox::claim_new_range(&pool, "relay-b", 10, Duration::from_secs(30), false).await }
+    });
+    handoff_tests::eventually("the claim to wait for the cursor's row lock", Duration::from_secs(10), || async {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_locks JOIN pg_stat_activity USING (pid)
+              WHERE NOT granted AND datname = current_database()",
+        )
+        .fetch_one(pool)
+        .await?;
+        Ok((waiting > 0).then_some(()))
+    })
+    .await
+    .unwrap();
+    other.commit().await.unwrap();
+    (order, claim.await.unwrap().unwrap())
+}
+
+#[tokio::test]
+async fn a_claim_that_waits_for_another_relay_to_move_the_cursor_claims_the_rows_after_it() {
+    let env = TestEnv::start().await.unwrap();
+    let pool = &env.producer_db;
+    let (order, claim) = claim_while_another_relay_moves_the_cursor(pool, 6).await;
+
+    let RangeClaim::Claimed(claim) = claim else { panic!("the claim lost its work to the relay it waited for") };
+    let claimed: Vec<i64> = claim.rows.iter().map(|row| row.id).collect();
+    let after: Vec<i64> = order[3..].iter().map(|(_, id)| *id).collect();
+    assert_eq!(claimed, after, "the rows after the other relay's range, none of its own");
+    let cursor: i64 = sqlx::query_scalar("SELECT outbox_id FROM handoff.relay_cursor").fetch_one(pool).await.unwrap();
+    assert_eq!(cursor, order[5].1);
+}
+
+#[tokio::test]
+async fn a_claim_that_finds_no_row_after_the_moved_cursor_in_its_snapshot_claims_nothing_and_says_so() {
+    let env = TestEnv::start().await.unwrap();
+    let pool = &env.producer_db;
+    let (_, claim) = claim_while_another_relay_moves_the_cursor(pool, 3).await;
+
+    assert!(matches!(claim, RangeClaim::Contended), "told to claim again at once: {claim:?}");
+    let ranges: i64 = sqlx::query_scalar("SELECT count(*) FROM handoff.relay_batch").fetch_one(pool).await.unwrap();
+    assert_eq!(ranges, 0, "a contended claim writes no range");
+    let again = outbox::claim_new_range(pool, "relay-b", 10, Duration::from_secs(30), false).await.unwrap();
+    let RangeClaim::Claimed(again) = again else { panic!("claimed again: {again:?}") };
+    assert!(again.rows.is_empty(), "the other relay's rows are not claimed twice");
 }
