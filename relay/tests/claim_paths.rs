@@ -273,3 +273,28 @@ async fn a_claim_that_finds_no_row_after_the_moved_cursor_in_its_snapshot_claims
     let RangeClaim::Claimed(again) = again else { panic!("claimed again: {again:?}") };
     assert!(again.rows.is_empty(), "the other relay's rows are not claimed twice");
 }
+
+#[tokio::test]
+async fn a_claim_with_nothing_to_claim_does_not_lock_the_cursor() {
+    let env = TestEnv::start().await.unwrap();
+    let pool = &env.producer_db;
+    handoff_tests::approve_range(pool, 1, 3).await.unwrap();
+    let lease = Duration::from_secs(30);
+    let RangeClaim::Claimed(claim) = outbox::claim_new_range(pool, "relay-a", 10, lease, false).await.unwrap() else {
+        panic!("nothing claimed")
+    };
+    assert_eq!(claim.rows.len(), 3);
+    // A row lock writes the locker's transaction id into the row's xmax.
+    let locker = || sqlx::query_scalar::<_, String>("SELECT xmax::text FROM handoff.relay_cursor").fetch_one(pool);
+    let after_claim = locker().await.unwrap();
+
+    let RangeClaim::Claimed(idle) = outbox::claim_new_range(pool, "relay-a", 10, lease, false).await.unwrap() else {
+        panic!("an idle claim is not contended")
+    };
+    assert!(idle.rows.is_empty());
+    assert_eq!(
+        locker().await.unwrap(),
+        after_claim,
+        "an idle claim neither locks the cursor nor takes a transaction id"
+    );
+}
