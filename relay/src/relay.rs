@@ -22,7 +22,7 @@ use handoff_shared::logging::{Outage, error_chain};
 use handoff_shared::migrate::MigrateMode;
 use handoff_shared::observe::{Check, Endpoint, Heartbeat, Liveness, Readiness};
 use handoff_shared::signing::SigningKey;
-use handoff_shared::{Approval, Backoff, CanonicalPayload, Envelope, OperationKey, PayloadHash};
+use handoff_shared::{Approval, Backoff, OperationKey, OutgoingEnvelope, PayloadText};
 use prometheus_client::registry::Registry;
 use sqlx::PgPool;
 use sqlx::postgres::{PgListener, PgPoolOptions};
@@ -720,12 +720,14 @@ impl Relay {
             .operation_key
             .parse()
             .map_err(|e| Refusal::new("invalid_row", format!("stored key is invalid: {e}")))?;
-        let payload = CanonicalPayload::from_json(row.payload.as_bytes())
+        let payload = PayloadText::from_json(&row.payload)
             .map_err(|e| Refusal::new("invalid_row", format!("stored payload is invalid: {e}")))?;
         let hash = payload.hash();
-        let computed_hash = match row.payload_hash.as_deref().map(str::parse::<PayloadHash>) {
+        let computed_hash = match row.payload_hash.as_deref() {
             None => Some(hash.to_string()),
-            Some(Ok(stored)) if stored == hash => None,
+            // A hash has one spelling, 64 lowercase hex digits (`PayloadHash` parses nothing else):
+            // equal text is an equal hash, and text in any other spelling was never a valid one.
+            Some(stored) if stored.as_bytes() == hash.write_hex(&mut [0u8; 64]).as_bytes() => None,
             // The stored payload no longer hashes to what was approved: never send it.
             Some(_) => {
                 return Err(Refusal::new(
@@ -739,11 +741,11 @@ impl Relay {
         let subject = self.stream.subjects.for_key(&key);
         // Stored through the SQL contract's check; a value that does not parse is only a lost trace.
         let traceparent = row.traceparent.as_deref().and_then(|tp| tp.parse().ok());
-        let envelope = Envelope {
-            key,
-            payload,
-            approval,
-            source: self.settings.source.clone(),
+        let envelope = OutgoingEnvelope {
+            key: &key,
+            payload: &payload,
+            approval: &approval,
+            source: &self.settings.source,
             time: row.recorded_at,
             traceparent,
         };

@@ -7,6 +7,10 @@
 //!  "handoffapprovedat":"2026-11-29T09:59:00Z","handoffschema":1,"data":{...}}
 //! ```
 //!
+//! `data` is the approved value as stored: the relay writes the outbox's jsonb text without its
+//! whitespace ([`OutgoingEnvelope`]), so numbers keep their digits; the hash covers the RFC 8785
+//! form of the same value, which the consumer recomputes.
+//!
 //! `id` is the operation key (CloudEvents consumers de-duplicate on `source` + `id`), `type` is the
 //! action with its version, and the `handoff*` extension attributes carry the payload hash and the
 //! approval so the consumer can verify the payload is exactly what a person approved;
@@ -20,6 +24,7 @@ use chrono::{DateTime, SecondsFormat, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::payload::PayloadText;
 use crate::signing::{SignatureError, SignaturePolicy, Signed, SignedFields, SigningKey};
 use crate::{CanonicalPayload, KeyError, OperationKey, PayloadError, PayloadHash, TraceParent};
 
@@ -158,8 +163,9 @@ struct CloudEvent {
 /// 500 bytes, so the body is written without growing its buffer.
 const ENVELOPE_HEAD_BYTES: usize = 640;
 
-/// An envelope as written: [`CloudEvent`]'s attributes in the same order, borrowed (from an
-/// [`Envelope`] without copying its strings or its data, or from a [`CloudEvent`] read).
+/// An envelope's attributes as written, in [`CloudEvent`]'s order, borrowed (from what is being
+/// written without copying its strings, or from a [`CloudEvent`] read). `data` follows them as the
+/// last member, written by [`write_body`].
 #[derive(Serialize)]
 struct CloudEventHead<'a> {
     specversion: &'a str,
@@ -167,11 +173,13 @@ struct CloudEventHead<'a> {
     source: &'a str,
     #[serde(rename = "type")]
     kind: &'a str,
-    time: DateTime<Utc>,
+    /// Formatted once ([`signed_time`], which is how chrono serializes a timestamp): the same text
+    /// goes on the wire and into the signature.
+    time: &'a str,
     datacontenttype: &'a str,
     handoffhash: &'a str,
     handoffapprovedby: &'a str,
-    handoffapprovedat: DateTime<Utc>,
+    handoffapprovedat: &'a str,
     handoffschema: u32,
     #[serde(skip_serializing_if = "Option::is_none")]
     traceparent: Option<&'a str>,
@@ -179,24 +187,21 @@ struct CloudEventHead<'a> {
     handoffkeyid: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     handoffsig: Option<&'a str>,
-    /// The JSON value as approved, not its canonical form: RFC 8785 writes every number as a
-    /// double, so an integer beyond 2^53 would arrive rounded.
-    data: &'a Value,
 }
 
 impl<'a> CloudEventHead<'a> {
     /// What a signature covers, formatted from the parsed values (so both ends agree whatever the
     /// JSON spelling of a timestamp).
-    fn signed(&self, time: &'a str, approved_at: &'a str) -> SignedFields<'a> {
+    fn signed(&self) -> SignedFields<'a> {
         SignedFields {
             id: self.id,
             source: self.source,
             kind: self.kind,
-            time,
+            time: self.time,
             datacontenttype: self.datacontenttype,
             hash: self.handoffhash,
             approved_by: self.handoffapprovedby,
-            approved_at,
+            approved_at: self.handoffapprovedat,
             schema: self.handoffschema,
             traceparent: self.traceparent,
         }
@@ -204,29 +209,28 @@ impl<'a> CloudEventHead<'a> {
 }
 
 impl CloudEvent {
-    fn head(&self) -> CloudEventHead<'_> {
+    fn head<'a>(&'a self, time: &'a str, approved_at: &'a str) -> CloudEventHead<'a> {
         CloudEventHead {
             specversion: &self.specversion,
             id: &self.id,
             source: &self.source,
             kind: &self.kind,
-            time: self.time,
+            time,
             datacontenttype: &self.datacontenttype,
             handoffhash: &self.handoffhash,
             handoffapprovedby: &self.handoffapprovedby,
-            handoffapprovedat: self.handoffapprovedat,
+            handoffapprovedat: approved_at,
             handoffschema: self.handoffschema,
             traceparent: self.traceparent.as_deref(),
             handoffkeyid: self.handoffkeyid.as_deref(),
             handoffsig: self.handoffsig.as_deref(),
-            data: &self.data,
         }
     }
 
     fn check_signature(&self, policy: &SignaturePolicy) -> Result<Signed, SignatureError> {
-        let head = self.head();
         let (time, approved_at) = (signed_time(self.time), signed_time(self.handoffapprovedat));
-        policy.check(&head.signed(&time, &approved_at), head.handoffkeyid, head.handoffsig)
+        let head = self.head(&time, &approved_at);
+        policy.check(&head.signed(), head.handoffkeyid, head.handoffsig)
     }
 }
 
@@ -237,6 +241,101 @@ fn signed_time(time: DateTime<Utc>) -> String {
 /// The CloudEvents `type` for a key: `namespace.action.vN`.
 pub fn event_type(key: &OperationKey) -> String {
     format!("{}.{}.{}", key.namespace(), key.action(), key.version())
+}
+
+/// An envelope's `data`: a parsed value, or JSON text written as it is.
+enum Data<'a> {
+    /// With the length of its canonical form, about what it takes written.
+    Value(&'a Value, usize),
+    Text(&'a [u8]),
+}
+
+/// What every envelope body is written from.
+struct Attributes<'a> {
+    key: &'a OperationKey,
+    hash: PayloadHash,
+    approval: &'a Approval,
+    source: &'a str,
+    time: DateTime<Utc>,
+    traceparent: Option<TraceParent>,
+}
+
+/// The message body (structured-mode CloudEvents JSON) in envelope version `version`, signed with
+/// `signing` (unsigned without one).
+fn write_body(attributes: &Attributes<'_>, data: Data<'_>, version: u32, signing: Option<&SigningKey>) -> Bytes {
+    let mut hash = [0u8; 64];
+    let hash = attributes.hash.write_hex(&mut hash);
+    let kind = event_type(attributes.key);
+    let traceparent = attributes.traceparent.map(|tp| tp.to_string());
+    let (time, approved_at) = (signed_time(attributes.time), signed_time(attributes.approval.approved_at()));
+    let mut head = CloudEventHead {
+        specversion: "1.0",
+        id: attributes.key.as_str(),
+        source: attributes.source,
+        kind: &kind,
+        time: &time,
+        datacontenttype: "application/json",
+        handoffhash: hash,
+        handoffapprovedby: attributes.approval.approved_by(),
+        handoffapprovedat: &approved_at,
+        handoffschema: version,
+        traceparent: traceparent.as_deref(),
+        handoffkeyid: None,
+        handoffsig: None,
+    };
+    let signature = signing.map(|key| (key.id().as_str(), key.sign(&head.signed())));
+    if let Some((id, signature)) = &signature {
+        head.handoffkeyid = Some(id);
+        head.handoffsig = Some(signature.as_str());
+    }
+    let data_len = match data {
+        Data::Value(_, size) => size,
+        Data::Text(text) => text.len(),
+    };
+    let mut body = Vec::with_capacity(ENVELOPE_HEAD_BYTES + data_len);
+    // Borrowed strings and a number: serializing cannot fail.
+    serde_json::to_writer(&mut body, &head).expect("envelope attributes serialize");
+    // The head is an object of at least one member: reopen it for `data`.
+    body.pop();
+    body.extend_from_slice(br#","data":"#);
+    match data {
+        // The JSON value as approved, not its canonical form: RFC 8785 writes every number as a
+        // double, so an integer beyond 2^53 would arrive rounded.
+        Data::Value(value, _) => serde_json::to_writer(&mut body, value).expect("a JSON value serializes"),
+        Data::Text(text) => body.extend_from_slice(text),
+    }
+    body.push(b'}');
+    Bytes::from(body)
+}
+
+/// An envelope to write whose payload is JSON text ([`PayloadText`]), everything borrowed: what
+/// the relay writes for each outbox row. The body is the one [`Envelope::encode_signed`] writes
+/// for the same value, with `data` as the stored text (without insignificant whitespace).
+#[derive(Debug, Clone, Copy)]
+pub struct OutgoingEnvelope<'a> {
+    pub key: &'a OperationKey,
+    pub payload: &'a PayloadText,
+    pub approval: &'a Approval,
+    /// CloudEvents `source`: which relay deployment publishes it.
+    pub source: &'a str,
+    /// CloudEvents `time`: when the action was recorded by the producer.
+    pub time: DateTime<Utc>,
+    pub traceparent: Option<TraceParent>,
+}
+
+impl OutgoingEnvelope<'_> {
+    /// The message body in envelope version `version`, signed with `key` (unsigned without one).
+    pub fn encode_signed(&self, version: u32, key: Option<&SigningKey>) -> Bytes {
+        let attributes = Attributes {
+            key: self.key,
+            hash: self.payload.hash(),
+            approval: self.approval,
+            source: self.source,
+            time: self.time,
+            traceparent: self.traceparent,
+        };
+        write_body(&attributes, Data::Text(self.payload.compact()), version, key)
+    }
 }
 
 impl Envelope {
@@ -253,37 +352,15 @@ impl Envelope {
 
     /// The message body in envelope version `version`, signed with `key` (unsigned without one).
     pub fn encode_signed(&self, version: u32, key: Option<&SigningKey>) -> Bytes {
-        let hash = self.payload.hash().to_string();
-        let kind = event_type(&self.key);
-        let traceparent = self.traceparent.map(|tp| tp.to_string());
-        let mut head = CloudEventHead {
-            specversion: "1.0",
-            id: self.key.as_str(),
+        let attributes = Attributes {
+            key: &self.key,
+            hash: self.payload.hash(),
+            approval: &self.approval,
             source: &self.source,
-            kind: &kind,
             time: self.time,
-            datacontenttype: "application/json",
-            handoffhash: &hash,
-            handoffapprovedby: self.approval.approved_by(),
-            handoffapprovedat: self.approval.approved_at(),
-            handoffschema: version,
-            traceparent: traceparent.as_deref(),
-            handoffkeyid: None,
-            handoffsig: None,
-            data: self.payload.value(),
+            traceparent: self.traceparent,
         };
-        let signature = key.map(|key| {
-            let (time, approved_at) = (signed_time(head.time), signed_time(head.handoffapprovedat));
-            (key.id().as_str(), key.sign(&head.signed(&time, &approved_at)))
-        });
-        if let Some((id, signature)) = &signature {
-            head.handoffkeyid = Some(id);
-            head.handoffsig = Some(signature.as_str());
-        }
-        let mut body = Vec::with_capacity(ENVELOPE_HEAD_BYTES + self.payload.canonical_bytes().len());
-        // Borrowed strings, timestamps, numbers and a JSON value: serializing cannot fail.
-        serde_json::to_writer(&mut body, &head).expect("envelope serializes");
-        Bytes::from(body)
+        write_body(&attributes, Data::Value(self.payload.value(), self.payload.canonical_bytes().len()), version, key)
     }
 
     /// Parses and checks a message as [`Envelope::open`] does, **without checking its signature**:
@@ -390,6 +467,43 @@ mod tests {
         assert_eq!(json["data"]["account"].as_u64(), Some(12_345_678_901_234_567_891));
         assert_eq!(json["data"]["n"].as_f64(), Some(1.0));
         assert_eq!(json["handoffkeyid"], "k1");
+        let policy = SignaturePolicy::new(vec![key], false).unwrap();
+        assert_eq!(Envelope::open(&body, Some(env.key.as_str()), SCHEMA_VERSION, &policy).unwrap().0, env);
+    }
+
+    #[test]
+    fn an_envelope_written_from_payload_text_is_the_one_written_from_the_value() {
+        let mut env = sample();
+        env.traceparent = Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".parse().unwrap());
+        env.payload =
+            CanonicalPayload::from_json(br#"{"title":"Call","account":12345678901234567891,"n":1.0}"#).unwrap();
+        let key = SigningKey::new(crate::signing::KeyId::new("k1").unwrap(), vec![7; 32]).unwrap();
+        fn outgoing<'a>(env: &'a Envelope, text: &'a PayloadText) -> OutgoingEnvelope<'a> {
+            OutgoingEnvelope {
+                key: &env.key,
+                payload: text,
+                approval: &env.approval,
+                source: &env.source,
+                time: env.time,
+                traceparent: env.traceparent,
+            }
+        }
+        // Text in serde_json's own member order: the same bytes, signed or not.
+        let compact = PayloadText::from_json(&serde_json::to_string(env.payload.value()).unwrap()).unwrap();
+        for signing in [None, Some(&key)] {
+            assert_eq!(
+                outgoing(&env, &compact).encode_signed(SCHEMA_VERSION, signing),
+                env.encode_signed(SCHEMA_VERSION, signing)
+            );
+        }
+        // Text as Postgres writes jsonb (its own order, spaces): the same envelope opens.
+        let stored = PayloadText::from_json(r#"{"n": 1.0, "title": "Call", "account": 12345678901234567891}"#).unwrap();
+        let body = outgoing(&env, &stored).encode_signed(SCHEMA_VERSION, Some(&key));
+        assert!(
+            std::str::from_utf8(&body)
+                .unwrap()
+                .ends_with(r#","data":{"n":1.0,"title":"Call","account":12345678901234567891}}"#)
+        );
         let policy = SignaturePolicy::new(vec![key], false).unwrap();
         assert_eq!(Envelope::open(&body, Some(env.key.as_str()), SCHEMA_VERSION, &policy).unwrap().0, env);
     }

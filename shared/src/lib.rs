@@ -18,8 +18,8 @@ pub mod subject;
 pub mod trace;
 
 pub use backoff::Backoff;
-pub use envelope::{Approval, Envelope, EnvelopeError};
+pub use envelope::{Approval, Envelope, EnvelopeError, OutgoingEnvelope};
 pub use key::{KeyError, OperationKey, action_type_of};
-pub use payload::{CanonicalPayload, PayloadError, PayloadHash};
+pub use payload::{CanonicalPayload, PayloadError, PayloadHash, PayloadText};
 pub use subject::{Subjects, headers};
 pub use trace::TraceParent;

@@ -6,9 +6,11 @@
 //! fixed vectors in `shared/testdata/canonical-vectors.json` pin it, so a dependency upgrade cannot
 //! silently change every hash in flight.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::str::FromStr;
 
+use serde::de::{MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -50,17 +52,7 @@ pub struct CanonicalPayload {
 impl CanonicalPayload {
     /// Validates and canonicalizes a JSON value.
     pub fn new(value: Value) -> Result<Self, PayloadError> {
-        match &value {
-            Value::Object(map) if map.is_empty() => return Err(PayloadError::Empty),
-            Value::Object(_) => {}
-            _ => return Err(PayloadError::NotAnObject),
-        }
-        let mut canonical = Vec::with_capacity(128);
-        write_canonical(&value, &mut canonical)?;
-        if canonical.len() > MAX_PAYLOAD_BYTES {
-            return Err(PayloadError::TooLarge(canonical.len()));
-        }
-        let hash = PayloadHash(Sha256::digest(&canonical).into());
+        let (canonical, hash) = canonicalize(&Node::from(&value))?;
         Ok(Self { value, canonical, hash })
     }
 
@@ -86,25 +78,198 @@ impl CanonicalPayload {
     }
 }
 
+/// An approved payload kept as JSON text: checked, canonicalized and hashed as
+/// [`CanonicalPayload`] does (same errors, same hash), without building a [`Value`]. The relay
+/// reads every payload it sends as text from Postgres and writes it as text into the envelope,
+/// so a tree of owned strings and maps per row was only ever thrown away.
+#[derive(Clone, PartialEq, Eq)]
+pub struct PayloadText {
+    /// The text without insignificant whitespace: the value as approved, numbers as written.
+    compact: Vec<u8>,
+    hash: PayloadHash,
+}
+
+impl PayloadText {
+    /// Parses, checks and hashes JSON text.
+    pub fn from_json(text: &str) -> Result<Self, PayloadError> {
+        let node: Node<'_> = serde_json::from_str(text).map_err(|e| PayloadError::NotJson(e.to_string()))?;
+        let (_, hash) = canonicalize(&node)?;
+        Ok(Self { compact: compact(text), hash })
+    }
+
+    /// The JSON text without insignificant whitespace; it parses to the value that was hashed.
+    pub fn compact(&self) -> &[u8] {
+        &self.compact
+    }
+
+    /// SHA-256 of the canonical form, equal to [`CanonicalPayload::hash`] of the same value.
+    pub fn hash(&self) -> PayloadHash {
+        self.hash
+    }
+}
+
+impl fmt::Debug for PayloadText {
+    // Payloads may hold personal data: Debug shows only size and hash, never the body.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PayloadText").field("bytes", &self.compact.len()).field("hash", &self.hash).finish()
+    }
+}
+
+/// Valid JSON text with the whitespace between tokens removed (whitespace inside strings is
+/// part of them; control characters cannot appear there unescaped in valid JSON).
+fn compact(text: &str) -> Vec<u8> {
+    let mut out = Vec::with_capacity(text.len());
+    let (mut in_string, mut escaped) = (false, false);
+    for &byte in text.as_bytes() {
+        if in_string {
+            if escaped {
+                escaped = false;
+            } else if byte == b'\\' {
+                escaped = true;
+            } else if byte == b'"' {
+                in_string = false;
+            }
+        } else if matches!(byte, b' ' | b'\t' | b'\n' | b'\r') {
+            continue;
+        } else if byte == b'"' {
+            in_string = true;
+        }
+        out.push(byte);
+    }
+    out
+}
+
+/// A JSON value as the canonical writer needs it, borrowed where it can be: from a parsed
+/// [`Value`], or straight from JSON text (strings without escapes are slices of the text).
+enum Node<'a> {
+    Null,
+    Bool(bool),
+    /// As a double, the way RFC 8785 writes every number (`Value::as_f64`).
+    Number(f64),
+    String(Cow<'a, str>),
+    Array(Vec<Node<'a>>),
+    /// Members in the order written; a repeated name keeps its last value, as [`Value`] does.
+    Object(Vec<(Cow<'a, str>, Node<'a>)>),
+}
+
+impl<'a> From<&'a Value> for Node<'a> {
+    fn from(value: &'a Value) -> Self {
+        match value {
+            Value::Null => Node::Null,
+            Value::Bool(b) => Node::Bool(*b),
+            // Not representable as a double only with arbitrary precision; refused when written.
+            Value::Number(number) => Node::Number(number.as_f64().unwrap_or(f64::NAN)),
+            Value::String(text) => Node::String(Cow::Borrowed(text)),
+            Value::Array(items) => Node::Array(items.iter().map(Node::from).collect()),
+            Value::Object(members) => Node::Object(
+                members.iter().map(|(name, member)| (Cow::Borrowed(name.as_str()), Node::from(member))).collect(),
+            ),
+        }
+    }
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for Node<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(NodeVisitor(std::marker::PhantomData))
+    }
+}
+
+struct NodeVisitor<'a>(std::marker::PhantomData<&'a ()>);
+
+impl<'de: 'a, 'a> Visitor<'de> for NodeVisitor<'a> {
+    type Value = Node<'a>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+    fn visit_unit<E>(self) -> Result<Node<'a>, E> {
+        Ok(Node::Null)
+    }
+    fn visit_bool<E>(self, b: bool) -> Result<Node<'a>, E> {
+        Ok(Node::Bool(b))
+    }
+    // The same conversions as `Value`'s `Number::as_f64`.
+    fn visit_u64<E>(self, n: u64) -> Result<Node<'a>, E> {
+        Ok(Node::Number(n as f64))
+    }
+    fn visit_i64<E>(self, n: i64) -> Result<Node<'a>, E> {
+        Ok(Node::Number(n as f64))
+    }
+    fn visit_f64<E>(self, n: f64) -> Result<Node<'a>, E> {
+        Ok(Node::Number(n))
+    }
+    fn visit_borrowed_str<E>(self, text: &'de str) -> Result<Node<'a>, E> {
+        Ok(Node::String(Cow::Borrowed(text)))
+    }
+    fn visit_str<E>(self, text: &str) -> Result<Node<'a>, E> {
+        Ok(Node::String(Cow::Owned(text.to_owned())))
+    }
+    fn visit_string<E>(self, text: String) -> Result<Node<'a>, E> {
+        Ok(Node::String(Cow::Owned(text)))
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Node<'a>, A::Error> {
+        let mut items = Vec::with_capacity(seq.size_hint().unwrap_or(0));
+        while let Some(item) = seq.next_element()? {
+            items.push(item);
+        }
+        Ok(Node::Array(items))
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Node<'a>, A::Error> {
+        let mut members = Vec::with_capacity(map.size_hint().unwrap_or(0));
+        while let Some((name, member)) = map.next_entry::<Name<'a>, Node<'a>>()? {
+            members.push((name.0, member));
+        }
+        Ok(Node::Object(members))
+    }
+}
+
+/// A member name, borrowed from the text unless it has escapes.
+struct Name<'a>(Cow<'a, str>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for Name<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        match deserializer.deserialize_any(NodeVisitor(std::marker::PhantomData))? {
+            Node::String(name) => Ok(Name(name)),
+            _ => Err(serde::de::Error::custom("a member name is a string")),
+        }
+    }
+}
+
+/// Checks a payload (an object, not empty, at most [`MAX_PAYLOAD_BYTES`] canonical) and returns
+/// its canonical bytes and their hash.
+fn canonicalize(node: &Node<'_>) -> Result<(Vec<u8>, PayloadHash), PayloadError> {
+    match node {
+        Node::Object(members) if members.is_empty() => return Err(PayloadError::Empty),
+        Node::Object(_) => {}
+        _ => return Err(PayloadError::NotAnObject),
+    }
+    let mut canonical = Vec::with_capacity(128);
+    write_canonical(node, &mut canonical)?;
+    if canonical.len() > MAX_PAYLOAD_BYTES {
+        return Err(PayloadError::TooLarge(canonical.len()));
+    }
+    let hash = PayloadHash(Sha256::digest(&canonical).into());
+    Ok((canonical, hash))
+}
+
 /// Writes `value` in RFC 8785 form: members sorted by the UTF-16 code units of their names,
 /// strings escaped as ECMAScript's `JSON.stringify` does (which is serde_json's compact escaping),
 /// and every number as ECMAScript writes a double (so an integer beyond 2^53 is rounded, as the
 /// RFC says). One pass, no allocation but the members' order per object; `serde_jcs` writes the
 /// same bytes (tested) but allocates for every token, and this ran for every row a relay sends.
-fn write_canonical(value: &Value, out: &mut Vec<u8>) -> Result<(), PayloadError> {
-    match value {
-        Value::Null => out.extend_from_slice(b"null"),
-        Value::Bool(true) => out.extend_from_slice(b"true"),
-        Value::Bool(false) => out.extend_from_slice(b"false"),
-        Value::Number(number) => {
-            let double = number
-                .as_f64()
-                .filter(|d| d.is_finite())
-                .ok_or_else(|| PayloadError::NotCanonicalizable(format!("{number} is not a finite double")))?;
-            out.extend_from_slice(ryu_js::Buffer::new().format_finite(double).as_bytes());
+fn write_canonical(node: &Node<'_>, out: &mut Vec<u8>) -> Result<(), PayloadError> {
+    match node {
+        Node::Null => out.extend_from_slice(b"null"),
+        Node::Bool(true) => out.extend_from_slice(b"true"),
+        Node::Bool(false) => out.extend_from_slice(b"false"),
+        Node::Number(double) => {
+            if !double.is_finite() {
+                return Err(PayloadError::NotCanonicalizable(format!("{double} is not a finite double")));
+            }
+            out.extend_from_slice(ryu_js::Buffer::new().format_finite(*double).as_bytes());
         }
-        Value::String(text) => serde_json::to_writer(&mut *out, text).expect("a string serializes"),
-        Value::Array(items) => {
+        Node::String(text) => serde_json::to_writer(&mut *out, text).expect("a string serializes"),
+        Node::Array(items) => {
             out.push(b'[');
             for (index, item) in items.iter().enumerate() {
                 if index > 0 {
@@ -114,16 +279,22 @@ fn write_canonical(value: &Value, out: &mut Vec<u8>) -> Result<(), PayloadError>
             }
             out.push(b']');
         }
-        Value::Object(members) => {
-            let mut sorted: Vec<(&String, &Value)> = members.iter().collect();
-            // serde_json's map is in UTF-8 byte order (or insertion order with `preserve_order`);
-            // the RFC's is UTF-16's, which differs for names with characters beyond U+FFFF.
-            sorted.sort_unstable_by(|(a, _), (b, _)| a.encode_utf16().cmp(b.encode_utf16()));
+        Node::Object(members) => {
+            let mut sorted: Vec<&(Cow<'_, str>, Node<'_>)> = members.iter().collect();
+            // Stable, so of a repeated name the last one written sorts last and is the one kept.
+            // Parsed text and serde_json's map may be in any order; the RFC's is UTF-16's, which
+            // differs from UTF-8's for names with characters beyond U+FFFF.
+            sorted.sort_by(|(a, _), (b, _)| a.encode_utf16().cmp(b.encode_utf16()));
             out.push(b'{');
-            for (index, (name, member)) in sorted.into_iter().enumerate() {
-                if index > 0 {
+            let mut first = true;
+            for (index, (name, member)) in sorted.iter().enumerate() {
+                if sorted.get(index + 1).is_some_and(|(next, _)| next == name) {
+                    continue;
+                }
+                if !first {
                     out.push(b',');
                 }
+                first = false;
                 serde_json::to_writer(&mut *out, name).expect("a string serializes");
                 out.push(b':');
                 write_canonical(member, out)?;
@@ -187,11 +358,17 @@ impl From<PayloadHash> for String {
     }
 }
 
+impl PayloadHash {
+    /// The 64 hex digits, written into `text` (no allocation).
+    pub fn write_hex(self, text: &mut [u8; 64]) -> &str {
+        hex::encode_to_slice(self.0, text).expect("32 bytes are 64 hex digits");
+        std::str::from_utf8(text).expect("hex digits are ASCII")
+    }
+}
+
 impl fmt::Display for PayloadHash {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mut text = [0u8; 64];
-        hex::encode_to_slice(self.0, &mut text).expect("32 bytes are 64 hex digits");
-        f.write_str(std::str::from_utf8(&text).expect("hex digits are ASCII"))
+        f.write_str(self.write_hex(&mut [0u8; 64]))
     }
 }
 
@@ -282,7 +459,7 @@ mod tests {
         for _ in 0..5_000 {
             let value = generated(&mut seed, 3);
             let mut ours = Vec::new();
-            let finite = write_canonical(&value, &mut ours).is_ok();
+            let finite = write_canonical(&Node::from(&value), &mut ours).is_ok();
             match serde_jcs::to_vec(&value) {
                 Ok(reference) => {
                     assert_eq!(String::from_utf8(ours).unwrap(), String::from_utf8(reference).unwrap(), "{value}")
@@ -290,6 +467,50 @@ mod tests {
                 Err(_) => assert!(!finite, "serde_jcs refused {value}"),
             }
         }
+    }
+
+    #[test]
+    fn payload_text_hashes_what_the_parsed_value_hashes_and_keeps_the_value() {
+        let mut seed = 11;
+        let mut objects = 0;
+        for _ in 0..5_000 {
+            let value = match generated(&mut seed, 3) {
+                Value::Object(members) => Value::Object(members),
+                other => serde_json::json!({ "v": other }),
+            };
+            // Pretty-printed, so the whitespace between tokens has to go; strings keep theirs.
+            let text = serde_json::to_string_pretty(&value).unwrap();
+            let parsed = PayloadText::from_json(&text);
+            match CanonicalPayload::new(value.clone()) {
+                Ok(reference) => {
+                    let parsed = parsed.unwrap();
+                    assert_eq!(parsed.hash(), reference.hash(), "{text}");
+                    assert_eq!(parsed.compact(), serde_json::to_vec(&value).unwrap().as_slice(), "{text}");
+                    objects += 1;
+                }
+                Err(error) => assert_eq!(parsed.unwrap_err(), error, "{text}"),
+            }
+        }
+        assert!(objects > 4_000, "{objects}");
+    }
+
+    #[test]
+    fn payload_text_keeps_numbers_as_written_and_a_repeated_name_last() {
+        let text = r#"{ "b" : 12345678901234567891, "a":1.50, "s":" x\" y ", "a" : 2 }"#;
+        let parsed = PayloadText::from_json(text).unwrap();
+        assert_eq!(
+            std::str::from_utf8(parsed.compact()).unwrap(),
+            r#"{"b":12345678901234567891,"a":1.50,"s":" x\" y ","a":2}"#
+        );
+        let value: Value = serde_json::from_str(text).unwrap();
+        assert_eq!(value["a"], 2, "serde_json keeps the last of a repeated name");
+        assert_eq!(parsed.hash(), CanonicalPayload::new(value).unwrap().hash());
+        assert_eq!(PayloadText::from_json("[1]"), Err(PayloadError::NotAnObject));
+        assert_eq!(PayloadText::from_json(" { } "), Err(PayloadError::Empty));
+        assert!(matches!(PayloadText::from_json("{"), Err(PayloadError::NotJson(_))));
+        let big = serde_json::json!({ "note": "x".repeat(MAX_PAYLOAD_BYTES) }).to_string();
+        assert!(matches!(PayloadText::from_json(&big), Err(PayloadError::TooLarge(_))));
+        assert!(!format!("{parsed:?}").contains("12345"), "Debug never shows the body");
     }
 
     #[test]
