@@ -79,7 +79,8 @@ pub struct ConsumerConfig {
     /// Failed deliveries before a message is dead-lettered.
     #[arg(long, env = "HANDOFF_DEAD_LETTER_AFTER", default_value_t = 10, value_parser = clap::value_parser!(i64).range(1..=1_000_000))]
     pub dead_letter_after: i64,
-    /// Seconds to wait at startup for the relay to create the stream.
+    /// Seconds to wait at startup for the relay to create the stream and, through timeouts (a
+    /// cluster electing a leader), to create or update the durable consumer.
     #[arg(long, env = "HANDOFF_STREAM_WAIT_SECS", default_value_t = 60)]
     pub stream_wait_secs: u64,
     /// Address of the /metrics, /healthz and /readyz endpoint; empty turns it off. Give each

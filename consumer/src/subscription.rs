@@ -6,6 +6,7 @@ use async_nats::jetstream::ErrorCode;
 use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, PullConsumer, pull};
 use async_nats::jetstream::stream::Stream;
 use async_nats::jetstream::stream::{ConsumerError, ConsumerErrorKind};
+use handoff_shared::logging::error_chain;
 
 /// The durable consumer's settings.
 #[derive(Debug, Clone)]
@@ -61,23 +62,38 @@ pub async fn bind(
     js: &async_nats::jetstream::Context,
     settings: &SubscriptionSettings,
 ) -> anyhow::Result<PullConsumer> {
-    let stream = wait_for_stream(js, settings).await?;
-    let consumer = stream
-        .create_consumer(pull::Config {
-            durable_name: Some(settings.durable_name.clone()),
-            filter_subject: settings.filter_subject.clone(),
-            ack_policy: AckPolicy::Explicit,
-            deliver_policy: DeliverPolicy::All,
-            ack_wait: settings.ack_wait,
-            max_deliver: -1,
-            max_ack_pending: settings.max_ack_pending,
-            // 0: as many as the stream.
-            num_replicas: settings.replicas.map_or(0, |r| usize::from(r.get())),
-            ..Default::default()
-        })
-        .await
-        .map_err(|error| refusal(settings, error))?;
-    Ok(consumer)
+    let deadline = tokio::time::Instant::now() + settings.stream_wait;
+    let stream = wait_for_stream(js, settings, deadline).await?;
+    let config = pull::Config {
+        durable_name: Some(settings.durable_name.clone()),
+        filter_subject: settings.filter_subject.clone(),
+        ack_policy: AckPolicy::Explicit,
+        deliver_policy: DeliverPolicy::All,
+        ack_wait: settings.ack_wait,
+        max_deliver: -1,
+        max_ack_pending: settings.max_ack_pending,
+        // 0: as many as the stream.
+        num_replicas: settings.replicas.map_or(0, |r| usize::from(r.get())),
+        ..Default::default()
+    };
+    let mut pause = Duration::from_millis(100);
+    loop {
+        match stream.create_consumer(config.clone()).await {
+            Ok(consumer) => return Ok(consumer),
+            // A cluster electing a leader (a server just killed or restarted) lets the request
+            // time out or go unanswered: wait for it, as for the stream, instead of exiting.
+            Err(error)
+                if matches!(error.kind(), ConsumerErrorKind::TimedOut | ConsumerErrorKind::Request)
+                    && tokio::time::Instant::now() + pause < deadline =>
+            {
+                tracing::info!(stream = %settings.stream, error = %error_chain(&error), retry_in_ms = pause.as_millis() as u64,
+                    "creating the durable consumer failed; trying again");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(5));
+            }
+            Err(error) => return Err(refusal(settings, error)),
+        }
+    }
 }
 
 /// The server's refusal of the durable consumer, with what to change when it is a setting of ours.
@@ -104,8 +120,8 @@ fn refusal(settings: &SubscriptionSettings, error: ConsumerError) -> anyhow::Err
 async fn wait_for_stream(
     js: &async_nats::jetstream::Context,
     settings: &SubscriptionSettings,
+    deadline: tokio::time::Instant,
 ) -> anyhow::Result<Stream> {
-    let deadline = tokio::time::Instant::now() + settings.stream_wait;
     let mut pause = Duration::from_millis(100);
     loop {
         match js.get_stream(&settings.stream).await {
