@@ -76,25 +76,30 @@ pub async fn bind(
         num_replicas: settings.replicas.map_or(0, |r| usize::from(r.get())),
         ..Default::default()
     };
-    let mut pause = Duration::from_millis(100);
-    loop {
-        match stream.create_consumer(config.clone()).await {
-            Ok(consumer) => return Ok(consumer),
-            // A cluster electing a leader (a server just killed or restarted) lets the request
-            // time out or go unanswered: wait for it, as for the stream, instead of exiting.
-            Err(error)
-                if matches!(error.kind(), ConsumerErrorKind::TimedOut | ConsumerErrorKind::Request)
-                    && tokio::time::Instant::now() + pause < deadline =>
-            {
-                tracing::info!(stream = %settings.stream, error = %error_chain(&error), retry_in_ms = pause.as_millis() as u64,
+    STARTUP_BACKOFF
+        .retry_until(
+            deadline,
+            || stream.create_consumer(config.clone()),
+            // A cluster electing a leader (a server just killed or restarted) lets the request time
+            // out or go unanswered: wait for it, as for the stream, instead of exiting.
+            |error| matches!(error.kind(), ConsumerErrorKind::TimedOut | ConsumerErrorKind::Request),
+            |error, pause| {
+                tracing::info!(stream = %settings.stream, error = %error_chain(error), retry_in_ms = pause.as_millis() as u64,
                     "creating the durable consumer failed; trying again");
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(Duration::from_secs(5));
-            }
-            Err(error) => return Err(refusal(settings, error)),
-        }
-    }
+            },
+        )
+        .await
+        .map_err(|error| refusal(settings, error))
 }
+
+/// The pauses between startup attempts (reading the stream, creating the durable): 100 ms
+/// doubling to 5 s, half jittered so that replicas started together do not ask in lock-step.
+const STARTUP_BACKOFF: handoff_shared::Backoff = handoff_shared::Backoff {
+    initial: Duration::from_millis(100),
+    max: Duration::from_secs(5),
+    multiplier: 2.0,
+    jitter: 0.5,
+};
 
 /// The server's refusal of the durable consumer, with what to change when it is a setting of ours.
 fn refusal(settings: &SubscriptionSettings, error: ConsumerError) -> anyhow::Error {
@@ -122,16 +127,18 @@ async fn wait_for_stream(
     settings: &SubscriptionSettings,
     deadline: tokio::time::Instant,
 ) -> anyhow::Result<Stream> {
-    let mut pause = Duration::from_millis(100);
-    loop {
-        match js.get_stream(&settings.stream).await {
-            Ok(stream) => return Ok(stream),
-            Err(error) if tokio::time::Instant::now() < deadline => {
-                tracing::info!(stream = %settings.stream, %error, "waiting for the stream to exist");
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(Duration::from_secs(5));
-            }
-            Err(error) => return Err(anyhow::anyhow!("stream {} not available: {error}", settings.stream)),
-        }
-    }
+    STARTUP_BACKOFF
+        .retry_until(
+            deadline,
+            || js.get_stream(&settings.stream),
+            // Any error: the stream may not exist yet (the relay creates it) or the cluster may
+            // still be electing its leader.
+            |_| true,
+            |error, pause| {
+                tracing::info!(stream = %settings.stream, error = %error_chain(error), retry_in_ms = pause.as_millis() as u64,
+                    "waiting for the stream to exist");
+            },
+        )
+        .await
+        .map_err(|error| anyhow::Error::new(error).context(format!("stream {} not available", settings.stream)))
 }

@@ -221,20 +221,17 @@ pub async fn ensure_stream_patiently(
     atomic: bool,
     patience: Duration,
 ) -> Result<stream::Info, StreamSetupError> {
-    let deadline = tokio::time::Instant::now() + patience;
-    let mut attempt = 0;
-    loop {
-        attempt += 1;
-        let delay = STREAM_SETUP_BACKOFF.delay(attempt);
-        match ensure_stream(js, settings, atomic).await {
-            Err(error) if error.is_transient() && tokio::time::Instant::now() + delay < deadline => {
-                tracing::warn!(stream = %settings.name, error = %handoff_shared::logging::error_chain(&error),
-                    retry_in_ms = delay.as_millis() as u64, "stream setup failed; trying again");
-                tokio::time::sleep(delay).await;
-            }
-            other => return other,
-        }
-    }
+    STREAM_SETUP_BACKOFF
+        .retry_until(
+            tokio::time::Instant::now() + patience,
+            || ensure_stream(js, settings, atomic),
+            StreamSetupError::is_transient,
+            |error, pause| {
+                tracing::warn!(stream = %settings.name, error = %handoff_shared::logging::error_chain(error),
+                    retry_in_ms = pause.as_millis() as u64, "stream setup failed; trying again");
+            },
+        )
+        .await
 }
 
 /// How the relay publishes a claimed batch (`--publish-mode`).

@@ -46,6 +46,38 @@ impl Backoff {
     pub fn horizon(&self, max_attempts: u32) -> Duration {
         (1..max_attempts).map(|a| self.ceiling(a)).sum()
     }
+
+    /// Runs `attempt` until it succeeds, fails with an error `transient` rejects, or the pause
+    /// before the next try would end after `deadline`; returns that last result. `retrying` sees
+    /// each error that is tried again, with the pause before the next try (to log it).
+    ///
+    /// For startup steps that wait out a broker that is still electing or restarting: the
+    /// callers decide what is transient and say in their logs what they wait for.
+    pub async fn retry_until<T, E, Fut>(
+        &self,
+        deadline: tokio::time::Instant,
+        mut attempt: impl FnMut() -> Fut,
+        mut transient: impl FnMut(&E) -> bool,
+        mut retrying: impl FnMut(&E, Duration),
+    ) -> Result<T, E>
+    where
+        Fut: std::future::Future<Output = Result<T, E>>,
+    {
+        let mut failures = 0;
+        loop {
+            let error = match attempt().await {
+                Ok(value) => return Ok(value),
+                Err(error) => error,
+            };
+            failures += 1;
+            let pause = self.delay(failures);
+            if !transient(&error) || tokio::time::Instant::now() + pause >= deadline {
+                return Err(error);
+            }
+            retrying(&error, pause);
+            tokio::time::sleep(pause).await;
+        }
+    }
 }
 
 #[cfg(test)]
@@ -80,5 +112,55 @@ mod tests {
         // 3 attempts wait twice: 100 ms + 200 ms.
         assert_eq!(B.horizon(3), Duration::from_millis(300));
         assert_eq!(B.horizon(1), Duration::ZERO);
+    }
+
+    const QUICK: Backoff =
+        Backoff { initial: Duration::from_millis(1), max: Duration::from_millis(4), multiplier: 2.0, jitter: 0.0 };
+
+    /// Fails with `errors` in turn, then succeeds; counts its calls.
+    async fn run(errors: &[&'static str], patience: Duration) -> (Result<u32, &'static str>, u32, Vec<Duration>) {
+        let calls = std::cell::Cell::new(0u32);
+        let mut pauses = Vec::new();
+        let result = QUICK
+            .retry_until(
+                tokio::time::Instant::now() + patience,
+                || {
+                    let call = calls.get();
+                    calls.set(call + 1);
+                    async move { errors.get(call as usize).map_or(Ok(call), |e| Err(*e)) }
+                },
+                |error| *error == "timed out",
+                |_, pause| pauses.push(pause),
+            )
+            .await;
+        (result, calls.get(), pauses)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn retry_until_tries_again_through_transient_errors_with_growing_pauses() {
+        let (result, calls, pauses) = run(&["timed out"; 3], Duration::from_secs(60)).await;
+        assert_eq!(result, Ok(3));
+        assert_eq!(calls, 4);
+        assert_eq!(pauses, [1, 2, 4].map(Duration::from_millis));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn retry_until_returns_an_error_it_is_told_is_not_transient_at_once() {
+        let (result, calls, pauses) = run(&["timed out", "refused", "timed out"], Duration::from_secs(60)).await;
+        assert_eq!(result, Err("refused"));
+        assert_eq!(calls, 2);
+        assert_eq!(pauses.len(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn retry_until_returns_the_last_error_when_the_next_pause_would_end_past_the_deadline() {
+        // Pauses of 1, 2, 4, 4, ... ms: within 10 ms there is room for three of them (7 ms), not a
+        // fourth. Tokio's clock is paused, so the pauses take exactly what they say.
+        let (result, calls, pauses) = run(&["timed out"; 100], Duration::from_millis(10)).await;
+        assert_eq!(result, Err("timed out"));
+        assert_eq!(calls, 4);
+        assert_eq!(pauses, [1, 2, 4].map(Duration::from_millis));
+        let (result, calls, _) = run(&["timed out"; 100], Duration::ZERO).await;
+        assert_eq!((result, calls), (Err("timed out"), 1));
     }
 }

@@ -4,6 +4,7 @@
 //! libraries exactly as the binaries build them.
 
 pub mod broker;
+pub mod faulty_api;
 pub mod ops;
 pub mod remote;
 
