@@ -47,6 +47,10 @@ pub const CLAIM_BATCH: i64 = 1_000;
 pub const CONSUME_BATCH: usize = 500;
 /// Publishes in flight at once in the publish ceiling (below the client's default of 5,000).
 const PUBLISH_WINDOW: usize = 4_096;
+/// How long the publish ceiling waits for each ack. With `sync_interval: always` on R1 every
+/// message waits for the fsyncs of those ahead of it: a full window takes seconds on a slow disk,
+/// more than the client's default of 5 s.
+const PUBLISH_ACK_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Stream settings as the relay creates them by default (file storage, Limits, DiscardPolicy::New).
 pub fn stream_settings(name: &str, subjects: &Subjects, replicas: usize) -> StreamSettings {
@@ -85,6 +89,13 @@ pub async fn publish(world: &mut World, messages: &[(String, Bytes)]) -> Result<
     )
     .await?;
     let subject = format!("{}.bench.create-followup", subjects.prefix());
+    let mut js = world.js.clone();
+    js.set_timeout(PUBLISH_ACK_TIMEOUT);
+    let acked = |ack: Result<_, async_nats::jetstream::context::PublishError>| {
+        ack.with_context(|| {
+            format!("waiting for a publish's ack ({PUBLISH_WINDOW} in flight, {PUBLISH_ACK_TIMEOUT:?} each)")
+        })
+    };
     let meter = Meter::start(world, &[]);
     let mut in_flight = FuturesUnordered::new();
     for (key, body) in messages {
@@ -92,13 +103,13 @@ pub async fn publish(world: &mut World, messages: &[(String, Bytes)]) -> Result<
             .payload(body.clone())
             .header(headers::CONTENT_TYPE, headers::CLOUDEVENTS_JSON)
             .message_id(key);
-        in_flight.push(world.js.send_publish(subject.clone(), publish).await?.into_future());
+        in_flight.push(js.send_publish(subject.clone(), publish).await.context("publishing")?.into_future());
         if in_flight.len() >= PUBLISH_WINDOW {
-            in_flight.next().await.context("an ack in flight")??;
+            acked(in_flight.next().await.context("an ack in flight")?)?;
         }
     }
     while let Some(ack) = in_flight.next().await {
-        ack?;
+        acked(ack)?;
     }
     let sample = meter.finish(world, &[], messages.len() as u64);
     let stored = world.stream_messages(&name).await?;
