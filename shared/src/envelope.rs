@@ -24,8 +24,10 @@ use chrono::{DateTime, SecondsFormat, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::key::MAX_EVENT_TYPE_LEN;
 use crate::payload::PayloadText;
 use crate::signing::{SignatureError, SignaturePolicy, Signed, SignedFields, SigningKey};
+use crate::timestamp::TimestampText;
 use crate::{CanonicalPayload, KeyError, OperationKey, PayloadError, PayloadHash, TraceParent};
 
 /// The newest envelope version this build writes and reads, in the `handoffschema` attribute. Bump
@@ -165,7 +167,8 @@ const ENVELOPE_HEAD_BYTES: usize = 640;
 
 /// An envelope's attributes as written, in [`CloudEvent`]'s order, borrowed (from what is being
 /// written without copying its strings, or from a [`CloudEvent`] read). `data` follows them as the
-/// last member, written by [`write_body`].
+/// last member, written by [`write_body`] ([`CloudEventHead::write`]; serde's derive is the tests'
+/// oracle for it).
 #[derive(Serialize)]
 struct CloudEventHead<'a> {
     specversion: &'a str,
@@ -206,6 +209,96 @@ impl<'a> CloudEventHead<'a> {
             traceparent: self.traceparent,
         }
     }
+
+    /// The attributes as a JSON object, members in declaration order, strings escaped as
+    /// serde_json escapes them; what `serde_json::to_writer` writes for the derived `Serialize`
+    /// (tested), without its per-member formatter calls.
+    fn write(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(br#"{"specversion":"#);
+        json_string(out, self.specversion);
+        for (name, value) in [
+            (&br#","id":"#[..], self.id),
+            (br#","source":"#, self.source),
+            (br#","type":"#, self.kind),
+            (br#","time":"#, self.time),
+            (br#","datacontenttype":"#, self.datacontenttype),
+            (br#","handoffhash":"#, self.handoffhash),
+            (br#","handoffapprovedby":"#, self.handoffapprovedby),
+            (br#","handoffapprovedat":"#, self.handoffapprovedat),
+        ] {
+            out.extend_from_slice(name);
+            json_string(out, value);
+        }
+        out.extend_from_slice(br#","handoffschema":"#);
+        let mut digits = [0u8; 10];
+        let mut first = digits.len();
+        let mut schema = self.handoffschema;
+        loop {
+            first -= 1;
+            digits[first] = b'0' + (schema % 10) as u8;
+            schema /= 10;
+            if schema == 0 {
+                break;
+            }
+        }
+        out.extend_from_slice(&digits[first..]);
+        for (name, value) in [
+            (&br#","traceparent":"#[..], self.traceparent),
+            (br#","handoffkeyid":"#, self.handoffkeyid),
+            (br#","handoffsig":"#, self.handoffsig),
+        ] {
+            if let Some(value) = value {
+                out.extend_from_slice(name);
+                json_string(out, value);
+            }
+        }
+        out.push(b'}');
+    }
+}
+
+/// `text` as a JSON string, escaped as serde_json escapes it: `"`, `\\` and the control characters
+/// below U+0020 (the common ones by letter, the rest as `\u00xx`), everything else as it is.
+fn json_string(out: &mut Vec<u8>, text: &str) {
+    out.push(b'"');
+    let bytes = text.as_bytes();
+    // Almost every attribute needs no escape: find out without branching per byte (vectorized).
+    if !bytes.iter().fold(false, |any, &b| any | (b < 0x20) | (b == b'"') | (b == b'\\')) {
+        out.extend_from_slice(bytes);
+        out.push(b'"');
+        return;
+    }
+    let mut plain = 0;
+    for (i, &byte) in bytes.iter().enumerate() {
+        let escape: &[u8] = match byte {
+            b'"' => br#"\""#,
+            b'\\' => br"\\",
+            b'\n' => br"\n",
+            b'\r' => br"\r",
+            b'\t' => br"\t",
+            0x08 => br"\b",
+            0x0c => br"\f",
+            0x00..=0x1f => {
+                const HEX: &[u8; 16] = b"0123456789abcdef";
+                out.extend_from_slice(&bytes[plain..i]);
+                out.extend_from_slice(&[
+                    b'\\',
+                    b'u',
+                    b'0',
+                    b'0',
+                    HEX[usize::from(byte >> 4)],
+                    HEX[usize::from(byte & 0xf)],
+                ]);
+                plain = i + 1;
+                continue;
+            }
+            _ => continue,
+        };
+        out.extend_from_slice(&bytes[plain..i]);
+        out.extend_from_slice(escape);
+        plain = i + 1;
+    }
+    out.extend_from_slice(&bytes[plain..]);
+    out.push(b'"');
 }
 
 impl CloudEvent {
@@ -229,18 +322,19 @@ impl CloudEvent {
 
     fn check_signature(&self, policy: &SignaturePolicy) -> Result<Signed, SignatureError> {
         let (time, approved_at) = (signed_time(self.time), signed_time(self.handoffapprovedat));
-        let head = self.head(&time, &approved_at);
+        let head = self.head(time.as_str(), approved_at.as_str());
         policy.check(&head.signed(), head.handoffkeyid, head.handoffsig)
     }
 }
 
-fn signed_time(time: DateTime<Utc>) -> String {
-    time.to_rfc3339_opts(SecondsFormat::AutoSi, true)
+/// How chrono serializes a timestamp (RFC 3339, as many fraction digits as needed, `Z`).
+fn signed_time(time: DateTime<Utc>) -> TimestampText {
+    TimestampText::new(time)
 }
 
 /// The CloudEvents `type` for a key: `namespace.action.vN`.
 pub fn event_type(key: &OperationKey) -> String {
-    format!("{}.{}.{}", key.namespace(), key.action(), key.version())
+    key.write_event_type(&mut [0; MAX_EVENT_TYPE_LEN]).to_owned()
 }
 
 /// An envelope's `data`: a parsed value, or JSON text written as it is.
@@ -265,36 +359,36 @@ struct Attributes<'a> {
 fn write_body(attributes: &Attributes<'_>, data: Data<'_>, version: u32, signing: Option<&SigningKey>) -> Bytes {
     let mut hash = [0u8; 64];
     let hash = attributes.hash.write_hex(&mut hash);
-    let kind = event_type(attributes.key);
+    let mut kind = [0; MAX_EVENT_TYPE_LEN];
+    let kind = attributes.key.write_event_type(&mut kind);
     let traceparent = attributes.traceparent.map(|tp| tp.to_string());
     let (time, approved_at) = (signed_time(attributes.time), signed_time(attributes.approval.approved_at()));
     let mut head = CloudEventHead {
         specversion: "1.0",
         id: attributes.key.as_str(),
         source: attributes.source,
-        kind: &kind,
-        time: &time,
+        kind,
+        time: time.as_str(),
         datacontenttype: "application/json",
         handoffhash: hash,
         handoffapprovedby: attributes.approval.approved_by(),
-        handoffapprovedat: &approved_at,
+        handoffapprovedat: approved_at.as_str(),
         handoffschema: version,
         traceparent: traceparent.as_deref(),
         handoffkeyid: None,
         handoffsig: None,
     };
-    let signature = signing.map(|key| (key.id().as_str(), key.sign(&head.signed())));
-    if let Some((id, signature)) = &signature {
-        head.handoffkeyid = Some(id);
-        head.handoffsig = Some(signature.as_str());
+    let mut signature = [0; 64];
+    if let Some(key) = signing {
+        head.handoffsig = Some(key.sign_into(&head.signed(), &mut signature));
+        head.handoffkeyid = Some(key.id().as_str());
     }
     let data_len = match data {
         Data::Value(_, size) => size,
         Data::Text(text) => text.len(),
     };
     let mut body = Vec::with_capacity(ENVELOPE_HEAD_BYTES + data_len);
-    // Borrowed strings and a number: serializing cannot fail.
-    serde_json::to_writer(&mut body, &head).expect("envelope attributes serialize");
+    head.write(&mut body);
     // The head is an object of at least one member: reopen it for `data`.
     body.pop();
     body.extend_from_slice(br#","data":"#);
@@ -506,6 +600,52 @@ mod tests {
         );
         let policy = SignaturePolicy::new(vec![key], false).unwrap();
         assert_eq!(Envelope::open(&body, Some(env.key.as_str()), SCHEMA_VERSION, &policy).unwrap().0, env);
+    }
+
+    #[test]
+    fn the_written_head_is_what_serde_json_writes_for_it() {
+        // Seeded so a failure is repeatable; strings from a pool with every character class the
+        // escaping treats differently.
+        let mut state: u64 = 0x2545_f491_4f6c_dd1d;
+        let mut next = move |bound: usize| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % bound as u64) as usize
+        };
+        let pieces = [
+            "a", "Z9", "\"", "\\", "/", "\n", "\r", "\t", "\u{8}", "\u{c}", "\u{0}", "\u{1f}", "\u{7f}", "é", "€",
+            "😀", " ", ":",
+        ];
+        let mut strings: Vec<String> = Vec::new();
+        for _ in 0..11 * 2_000 {
+            strings.push((0..next(6)).map(|_| pieces[next(pieces.len())]).collect());
+        }
+        let mut strings = strings.iter().map(String::as_str);
+        let mut next_str = || strings.next().unwrap();
+        for i in 0..2_000 {
+            let mut optional = || if next(2) == 0 { None } else { Some(next_str()) };
+            let (traceparent, keyid, sig) = (optional(), optional(), optional());
+            let head = CloudEventHead {
+                specversion: next_str(),
+                id: next_str(),
+                source: next_str(),
+                kind: next_str(),
+                time: next_str(),
+                datacontenttype: next_str(),
+                handoffhash: next_str(),
+                handoffapprovedby: next_str(),
+                handoffapprovedat: next_str(),
+                handoffschema: [0, 1, 2, 9, 10, 99, 12_345, u32::MAX][i % 8],
+                traceparent,
+                handoffkeyid: keyid,
+                handoffsig: sig,
+            };
+            let mut written = Vec::new();
+            head.write(&mut written);
+            let expected = serde_json::to_vec(&head).unwrap();
+            assert_eq!(String::from_utf8(written).unwrap(), String::from_utf8(expected).unwrap());
+        }
     }
 
     #[test]

@@ -30,6 +30,8 @@ pub const MAX_ACTION_LEN: usize = 64;
 pub const MAX_VERSION: u16 = 9999;
 /// Longest entity id accepted.
 pub const MAX_ENTITY_LEN: usize = 128;
+/// The longest CloudEvents type of a key ([`OperationKey::write_event_type`]): `namespace.action.v9999`.
+pub const MAX_EVENT_TYPE_LEN: usize = MAX_NAMESPACE_LEN + 1 + MAX_ACTION_LEN + 1 + "v9999".len();
 
 /// Why a string is not an operation key. Each variant names the part that is wrong so a producer can
 /// fix its key derivation rather than guess.
@@ -95,6 +97,17 @@ impl OperationKey {
     /// The version token including its `v` (`v1`).
     pub fn version(&self) -> &str {
         &self.text[self.seps[1] + 1..self.seps[2]]
+    }
+
+    /// The CloudEvents `type` for this key, `namespace.action.vN`, written into `out` (no
+    /// allocation per message).
+    pub fn write_event_type<'b>(&self, out: &'b mut [u8; MAX_EVENT_TYPE_LEN]) -> &'b str {
+        let prefix = &self.text.as_bytes()[..self.seps[2]];
+        let out = &mut out[..prefix.len()];
+        for (to, &from) in out.iter_mut().zip(prefix) {
+            *to = if from == b':' { b'.' } else { from };
+        }
+        std::str::from_utf8(out).expect("a key is text and only ASCII colons were replaced")
     }
 
     /// The business entity (`case-104`).
@@ -179,6 +192,21 @@ impl fmt::Debug for OperationKey {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_event_type_is_namespace_action_and_version_joined_by_dots() {
+        let longest = format!(
+            "{}:{}:v{MAX_VERSION}:{}",
+            "n".repeat(MAX_NAMESPACE_LEN),
+            "a".repeat(MAX_ACTION_LEN),
+            "e".repeat(MAX_ENTITY_LEN)
+        );
+        for text in ["harbor:create-followup:v1:case-104", "a:b:v12:c.d-e", longest.as_str()] {
+            let key: OperationKey = text.parse().unwrap();
+            let expected = format!("{}.{}.{}", key.namespace(), key.action(), key.version());
+            assert_eq!(key.write_event_type(&mut [0; MAX_EVENT_TYPE_LEN]), expected);
+        }
+    }
 
     #[test]
     fn parses_the_seed_key_into_its_parts() {

@@ -15,6 +15,7 @@ pub mod observe;
 pub mod payload;
 pub mod signing;
 pub mod subject;
+pub mod timestamp;
 pub mod trace;
 
 pub use backoff::Backoff;
