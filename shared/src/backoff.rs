@@ -47,9 +47,11 @@ impl Backoff {
         (1..max_attempts).map(|a| self.ceiling(a)).sum()
     }
 
-    /// Runs `attempt` until it succeeds, fails with an error `transient` rejects, or the pause
-    /// before the next try would end after `deadline`; returns that last result. `retrying` sees
-    /// each error that is tried again, with the pause before the next try (to log it).
+    /// Runs `attempt` until it succeeds, fails with an error `transient` rejects, or fails at or
+    /// after `deadline`; returns that last result. The pause before a try is cut to the time left,
+    /// so the last try starts at the deadline: a caller given 60 s waits 60 s, not up to one
+    /// pause less. `retrying` sees each error that is tried again, with the pause before the next
+    /// try (to log it).
     ///
     /// For startup steps that wait out a broker that is still electing or restarting: the
     /// callers decide what is transient and say in their logs what they wait for.
@@ -70,10 +72,11 @@ impl Backoff {
                 Err(error) => error,
             };
             failures += 1;
-            let pause = self.delay(failures);
-            if !transient(&error) || tokio::time::Instant::now() + pause >= deadline {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            if !transient(&error) || left.is_zero() {
                 return Err(error);
             }
+            let pause = self.delay(failures).min(left);
             retrying(&error, pause);
             tokio::time::sleep(pause).await;
         }
@@ -153,13 +156,15 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn retry_until_returns_the_last_error_when_the_next_pause_would_end_past_the_deadline() {
-        // Pauses of 1, 2, 4, 4, ... ms: within 10 ms there is room for three of them (7 ms), not a
-        // fourth. Tokio's clock is paused, so the pauses take exactly what they say.
+    async fn retry_until_tries_last_at_the_deadline_and_returns_that_error() {
+        // Pauses of 1, 2, 4, 4, ... ms: after three (7 ms) the fourth is cut to the 3 ms left, and
+        // the try at 10 ms is the last. Tokio's clock is paused: the pauses take what they say.
+        let start = tokio::time::Instant::now();
         let (result, calls, pauses) = run(&["timed out"; 100], Duration::from_millis(10)).await;
         assert_eq!(result, Err("timed out"));
-        assert_eq!(calls, 4);
-        assert_eq!(pauses, [1, 2, 4].map(Duration::from_millis));
+        assert_eq!(calls, 5);
+        assert_eq!(pauses, [1, 2, 4, 3].map(Duration::from_millis));
+        assert_eq!(start.elapsed(), Duration::from_millis(10));
         let (result, calls, _) = run(&["timed out"; 100], Duration::ZERO).await;
         assert_eq!((result, calls), (Err("timed out"), 1));
     }

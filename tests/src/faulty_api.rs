@@ -1,7 +1,7 @@
 //! A fault hook for JetStream's API: a client built with [`FaultyApi::jetstream`] sends its API
 //! requests under another prefix, where this forwards them to the real `$JS.API` and passes the
-//! answers back, except for the requests it is told to leave unanswered, as a cluster electing
-//! a leader does. The client then sees exactly what it sees then: its request times out.
+//! answers back, except for the requests it is told to leave unanswered ([`Fault`]), as a cluster
+//! electing a leader does. The client then sees exactly what it sees then: its request times out.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -12,6 +12,15 @@ use futures::StreamExt;
 /// The prefix the forwarded requests arrive under.
 const PREFIX: &str = "$FAULT.API";
 
+/// How a request the rule picks goes unanswered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Never reaches the server: nothing happens there.
+    NotDelivered,
+    /// Reaches the server, which acts on it, and the answer is lost on the way back.
+    AnswerLost,
+}
+
 /// Forwards JetStream API requests; see the module's documentation.
 #[derive(Debug)]
 pub struct FaultyApi {
@@ -21,9 +30,10 @@ pub struct FaultyApi {
 }
 
 impl FaultyApi {
-    /// Forwards every request except the first `unanswered` whose API subject starts with
-    /// `subject` (`CONSUMER.CREATE.`, `STREAM.INFO.`, ...).
-    pub async fn start(nats_url: &str, subject: &'static str, unanswered: usize) -> Result<Self> {
+    /// Forwards every request and its answer, except that the first `unanswered` requests whose
+    /// API subject starts with `subject` (`CONSUMER.CREATE.`, `STREAM.INFO.`, ...) go unanswered
+    /// as `fault` says.
+    pub async fn start(nats_url: &str, subject: &'static str, fault: Fault, unanswered: usize) -> Result<Self> {
         let client = async_nats::connect(nats_url).await.context("connecting the faulty API")?;
         let mut requests = client.subscribe(format!("{PREFIX}.>")).await?;
         // The subscription must be known to the server before a client asks through it.
@@ -38,14 +48,20 @@ impl FaultyApi {
                     let Some(reply) = request.reply.clone() else { continue };
                     let api = request.subject.as_str()[PREFIX.len() + 1..].to_owned();
                     seen.lock().unwrap().push(api.clone());
+                    let mut answer_lost = false;
                     if api.starts_with(subject) && left_unanswered < unanswered {
                         left_unanswered += 1;
-                        continue;
+                        match fault {
+                            Fault::NotDelivered => continue,
+                            Fault::AnswerLost => answer_lost = true,
+                        }
                     }
                     let client = client.clone();
                     tokio::spawn(async move {
                         // An API request JetStream does not answer stays unanswered here too.
-                        if let Ok(answer) = client.request(format!("$JS.API.{api}"), request.payload).await {
+                        if let Ok(answer) = client.request(format!("$JS.API.{api}"), request.payload).await
+                            && !answer_lost
+                        {
                             let _ = client.publish(reply, answer.payload).await;
                         }
                     });
