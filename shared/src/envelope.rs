@@ -24,6 +24,7 @@ use chrono::{DateTime, SecondsFormat, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::json_string::write_json_string;
 use crate::key::MAX_EVENT_TYPE_LEN;
 use crate::payload::PayloadText;
 use crate::signing::{SignatureError, SignaturePolicy, Signed, SignedFields, SigningKey};
@@ -215,7 +216,7 @@ impl<'a> CloudEventHead<'a> {
     /// (tested), without its per-member formatter calls.
     fn write(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(br#"{"specversion":"#);
-        json_string(out, self.specversion);
+        write_json_string(out, self.specversion);
         for (name, value) in [
             (&br#","id":"#[..], self.id),
             (br#","source":"#, self.source),
@@ -227,7 +228,7 @@ impl<'a> CloudEventHead<'a> {
             (br#","handoffapprovedat":"#, self.handoffapprovedat),
         ] {
             out.extend_from_slice(name);
-            json_string(out, value);
+            write_json_string(out, value);
         }
         out.extend_from_slice(br#","handoffschema":"#);
         let mut digits = [0u8; 10];
@@ -249,56 +250,11 @@ impl<'a> CloudEventHead<'a> {
         ] {
             if let Some(value) = value {
                 out.extend_from_slice(name);
-                json_string(out, value);
+                write_json_string(out, value);
             }
         }
         out.push(b'}');
     }
-}
-
-/// `text` as a JSON string, escaped as serde_json escapes it: `"`, `\\` and the control characters
-/// below U+0020 (the common ones by letter, the rest as `\u00xx`), everything else as it is.
-fn json_string(out: &mut Vec<u8>, text: &str) {
-    out.push(b'"');
-    let bytes = text.as_bytes();
-    // Almost every attribute needs no escape: find out without branching per byte (vectorized).
-    if !bytes.iter().fold(false, |any, &b| any | (b < 0x20) | (b == b'"') | (b == b'\\')) {
-        out.extend_from_slice(bytes);
-        out.push(b'"');
-        return;
-    }
-    let mut plain = 0;
-    for (i, &byte) in bytes.iter().enumerate() {
-        let escape: &[u8] = match byte {
-            b'"' => br#"\""#,
-            b'\\' => br"\\",
-            b'\n' => br"\n",
-            b'\r' => br"\r",
-            b'\t' => br"\t",
-            0x08 => br"\b",
-            0x0c => br"\f",
-            0x00..=0x1f => {
-                const HEX: &[u8; 16] = b"0123456789abcdef";
-                out.extend_from_slice(&bytes[plain..i]);
-                out.extend_from_slice(&[
-                    b'\\',
-                    b'u',
-                    b'0',
-                    b'0',
-                    HEX[usize::from(byte >> 4)],
-                    HEX[usize::from(byte & 0xf)],
-                ]);
-                plain = i + 1;
-                continue;
-            }
-            _ => continue,
-        };
-        out.extend_from_slice(&bytes[plain..i]);
-        out.extend_from_slice(escape);
-        plain = i + 1;
-    }
-    out.extend_from_slice(&bytes[plain..]);
-    out.push(b'"');
 }
 
 impl CloudEvent {

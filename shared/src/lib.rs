@@ -8,6 +8,7 @@
 pub mod backoff;
 pub mod config;
 pub mod envelope;
+mod json_string;
 pub mod key;
 pub mod logging;
 pub mod migrate;

@@ -10,6 +10,7 @@ use std::borrow::Cow;
 use std::fmt;
 use std::str::FromStr;
 
+use crate::json_string::write_json_string;
 use serde::de::{MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -268,7 +269,7 @@ fn write_canonical(node: &Node<'_>, out: &mut Vec<u8>) -> Result<(), PayloadErro
             }
             out.extend_from_slice(ryu_js::Buffer::new().format_finite(*double).as_bytes());
         }
-        Node::String(text) => serde_json::to_writer(&mut *out, text).expect("a string serializes"),
+        Node::String(text) => write_json_string(out, text),
         Node::Array(items) => {
             out.push(b'[');
             for (index, item) in items.iter().enumerate() {
@@ -295,7 +296,7 @@ fn write_canonical(node: &Node<'_>, out: &mut Vec<u8>) -> Result<(), PayloadErro
                     out.push(b',');
                 }
                 first = false;
-                serde_json::to_writer(&mut *out, name).expect("a string serializes");
+                write_json_string(out, name);
                 out.push(b':');
                 write_canonical(member, out)?;
             }
