@@ -67,7 +67,17 @@ pub fn stream_settings(name: &str, subjects: &Subjects, replicas: usize) -> Stre
 
 /// `n` encoded envelopes of `batch`, made before any clock starts.
 pub fn envelopes(batch: &str, n: i64, signing: &SigningKey) -> Result<Vec<(String, Bytes)>> {
-    (1..=n).map(|i| workload::envelope(batch, i, signing)).collect()
+    envelopes_of(workload::Payloads::Small, batch, n, signing)
+}
+
+/// [`envelopes`] with `payloads`.
+pub fn envelopes_of(
+    payloads: workload::Payloads,
+    batch: &str,
+    n: i64,
+    signing: &SigningKey,
+) -> Result<Vec<(String, Bytes)>> {
+    (1..=n).map(|i| workload::envelope_of(payloads, batch, i, signing)).collect()
 }
 
 /// A stream filled with envelopes, which the consumer measurements read from.

@@ -35,10 +35,17 @@ use serde_json::{Value, json};
 use crate::ceilings::FilledStream;
 use crate::measure::{Sample, rates, usage};
 use crate::report::{Latency, Percentiles, Report, Row, Stats};
+use crate::workload::Payloads;
 use crate::world::{Profile, World};
 
 /// The peak RSS the issue allows the relay and the consumer with a 100k backlog.
 const RSS_LIMIT_MIB: f64 = 50.0;
+
+/// The note of the large payloads (a payload is at most 64 KiB canonical).
+const LARGE_NOTE_BYTES: usize = 60 * 1024;
+/// Actions of the large-payload relay drain: enough for several claims per worker.
+const LARGE_BACKLOG: i64 = 8_000;
+const LARGE_BACKLOG_QUICK: i64 = 500;
 
 /// What to measure. `--quick` is the CI smoke configuration (well under a minute).
 #[derive(Debug, Clone, clap::Parser)]
@@ -330,7 +337,7 @@ async fn mq_bridge_rows(world: &mut World, args: &BenchArgs, report: &mut Report
                         if pipelined {
                             world.relay_extra.push(("HANDOFF_PUBLISH_MODE".into(), "pipelined".into()));
                         }
-                        let drained = system::relay_drain(world, n, RELAYS, 1, false).await;
+                        let drained = system::relay_drain(world, n, RELAYS, 1, false, Payloads::Small).await;
                         if pipelined {
                             world.relay_extra.pop();
                         }
@@ -679,7 +686,7 @@ async fn profile_rows(world: &mut World, args: &BenchArgs, full: bool, report: &
     for &relays in relay_counts.iter().filter(|_| args.runs_section("relay")) {
         let mut checks = Vec::new();
         let samples = repeat(runs, &format!("relay x{relays}"), async || {
-            let (sample, c) = system::relay_drain(world, n, relays, 1, false).await?;
+            let (sample, c) = system::relay_drain(world, n, relays, 1, false, Payloads::Small).await?;
             checks.push(c);
             Ok(sample)
         })
@@ -731,7 +738,7 @@ async fn profile_rows(world: &mut World, args: &BenchArgs, full: bool, report: &
         world.relay_extra.push(("HANDOFF_PUBLISH_MODE".into(), "pipelined".into()));
         let mut checks = Vec::new();
         let samples = repeat(runs, &format!("relay x{relays}, pipelined"), async || {
-            let (sample, c) = system::relay_drain(world, n, relays, 1, false).await?;
+            let (sample, c) = system::relay_drain(world, n, relays, 1, false, Payloads::Small).await?;
             checks.push(c);
             Ok(sample)
         })
@@ -759,12 +766,51 @@ async fn profile_rows(world: &mut World, args: &BenchArgs, full: bool, report: &
         report.rows.push(row);
     }
 
+    // One relay with its default workers draining payloads near the size limit: what a claim holds
+    // in memory while it is published.
+    if full && args.runs_section("relay") {
+        let n = if args.quick { LARGE_BACKLOG_QUICK } else { LARGE_BACKLOG };
+        let payloads = Payloads::Large { note_bytes: LARGE_NOTE_BYTES };
+        let (workers, batch) = (world.relay_workers(), world.relay_batch_size());
+        let samples = repeat(runs, "relay x1, large payloads", async || {
+            let (sample, c) = system::relay_drain(world, n, 1, workers, false, payloads).await?;
+            anyhow::ensure!(c.stream_messages == n as u64, "{} messages stored for {n} rows", c.stream_messages);
+            Ok(sample)
+        })
+        .await?;
+        let mut row = throughput_row(
+            p,
+            "relay",
+            "relays=1/large_payloads",
+            format!("relay: 1 process x {workers} workers, {n} payloads of {} KiB", LARGE_NOTE_BYTES / 1024),
+            "rows/s",
+            &samples,
+        )
+        .param("workers", workers)
+        .param("batch_size", batch)
+        .param("note_bytes", LARGE_NOTE_BYTES)
+        .param("backlog", n);
+        row.check("payload_mib_per_s", row.value.median * LARGE_NOTE_BYTES as f64 / (1024.0 * 1024.0));
+        // Every worker holds its claim's envelopes while it publishes: one copy of each payload,
+        // plus what is in flight to the broker.
+        let claims_mib = (workers as i64 * batch.min(n)) as f64 * LARGE_NOTE_BYTES as f64 / (1024.0 * 1024.0);
+        let limit = RSS_LIMIT_MIB + 1.5 * claims_mib;
+        if let Some(peak) = row.processes.iter().find(|u| u.role == "relay").and_then(|u| u.peak_rss_mib) {
+            row.check("claimed_payloads_mib", claims_mib);
+            row.target(
+                format!("relay peak RSS <= {RSS_LIMIT_MIB} MiB + 1.5x the payloads its workers claim ({limit:.0} MiB)"),
+                peak <= limit,
+            );
+        }
+        report.rows.push(row);
+    }
+
     // The same drain with the operations endpoint on and scraped every second.
     if full && args.runs_section("relay") {
         let relays = middle(&relay_counts);
         let mut scrapes = Vec::new();
         let samples = repeat(runs, &format!("relay x{relays}, endpoint scraped"), async || {
-            let (sample, c) = system::relay_drain(world, n, relays, 1, true).await?;
+            let (sample, c) = system::relay_drain(world, n, relays, 1, true, Payloads::Small).await?;
             scrapes.push(c.scrapes);
             Ok(sample)
         })
@@ -829,6 +875,50 @@ async fn profile_rows(world: &mut World, args: &BenchArgs, full: bool, report: &
         report.rows.push(row);
     }
     world.drop_stream(&source.name).await;
+
+    // One replica handed payloads near the size limit: what its pulls hold in memory.
+    if full && args.runs_section("consumer") {
+        let n = if args.quick { LARGE_BACKLOG_QUICK } else { LARGE_BACKLOG };
+        let payloads = Payloads::Large { note_bytes: LARGE_NOTE_BYTES };
+        let messages = ceilings::envelopes_of(payloads, "lc", n, &world.keys.signing)?;
+        let (_, large) = ceilings::publish(world, &messages).await?;
+        drop(messages);
+        let mut checks = Vec::new();
+        let samples = repeat(runs, "consumer x1, large payloads", async || {
+            let (sample, c) = system::consumer_drain(world, &large, 1).await?;
+            checks.push(c);
+            Ok(sample)
+        })
+        .await;
+        world.drop_stream(&large.name).await;
+        let samples = samples?;
+        let mut row = throughput_row(
+            p,
+            "consumer",
+            "replicas=1/large_payloads",
+            format!("consumer: local CRM, 1 replica, {n} payloads of {} KiB", LARGE_NOTE_BYTES / 1024),
+            "msg/s",
+            &samples,
+        )
+        .param("replicas", 1)
+        .param("note_bytes", LARGE_NOTE_BYTES)
+        .param("backlog", n);
+        row.check("payload_mib_per_s", row.value.median * LARGE_NOTE_BYTES as f64 / (1024.0 * 1024.0));
+        row.target(
+            "one task per message",
+            checks.iter().all(|c| c.tasks == n && c.distinct_keys == c.tasks && c.dead_letters == 0),
+        );
+        // A pull asks for at most PULL_MAX_BYTES; one is handled while the next arrives.
+        let pulls_mib = 2.0 * handoff_consumer::consumer::PULL_MAX_BYTES as f64 / (1024.0 * 1024.0);
+        let limit = RSS_LIMIT_MIB + 4.0 * pulls_mib;
+        if let Some(peak) = row.processes.iter().find(|u| u.role == "consumer").and_then(|u| u.peak_rss_mib) {
+            row.target(
+                format!("consumer peak RSS <= {RSS_LIMIT_MIB} MiB + 4x two pulls of messages ({limit:.0} MiB)"),
+                peak <= limit,
+            );
+        }
+        report.rows.push(row);
+    }
 
     // --- the consumer with the remote CRM simulator
     if full && args.runs_section("remote") {

@@ -18,7 +18,7 @@ use handoff_shared::Subjects;
 
 use crate::ceilings::FilledStream;
 use crate::measure::{Meter, Sample};
-use crate::workload;
+use crate::workload::{self, Payloads};
 use crate::world::{Database, Service, World, wait_for_listeners};
 
 /// How often progress is polled (NATS stream/consumer info: no database load).
@@ -81,6 +81,7 @@ pub async fn relay_drain(
     relays: usize,
     workers: usize,
     scrape: bool,
+    payloads: Payloads,
 ) -> Result<(Sample, RelayChecks)> {
     let db = world.database("bench_relay", 4).await?;
     handoff_relay::SCHEMA.migrate(&db.pool).await?;
@@ -106,7 +107,7 @@ pub async fn relay_drain(
     // The backlog commits at once: the clock starts at the commit, which notifies the relays.
     let batch = "r";
     let mut tx = db.pool.begin().await?;
-    workload::record_actions(&mut *tx, batch, 1, n).await?;
+    workload::record_actions_of(&mut *tx, payloads, batch, 1, n).await?;
     let meter = Meter::start(world, &services);
     tx.commit().await?;
     let started = Instant::now();

@@ -39,10 +39,13 @@ pub fn payload(i: i64) -> serde_json::Value {
 
 /// Records approved actions `first..first + n` of `batch` in one transaction, as the Rust producer
 /// API records them (payload hash set, approval, outbox row), computing everything in Postgres.
+/// `$5` > 0 adds a `note` of that many bytes ([`Payloads::Large`]).
 const RECORD_ACTIONS: &str = r#"
     WITH actions AS (
         SELECT $3::text || $4::text || '-' || i AS operation_key,
-               '{"case_id":"case-' || i || '","due":"2026-12-01","priority":"normal","title":"Call about the approved repair plan ' || i || '"}' AS canonical
+               '{"case_id":"case-' || i || '","due":"2026-12-01",'
+               || CASE WHEN $5 > 0 THEN '"note":"' || repeat('x', $5) || '",' ELSE '' END
+               || '"priority":"normal","title":"Call about the approved repair plan ' || i || '"}' AS canonical
           FROM generate_series($1::bigint, $2::bigint) AS i
     ), approved AS (
         INSERT INTO handoff.approved_action (operation_key, payload, payload_hash, approved_by, approved_at)
@@ -51,11 +54,57 @@ const RECORD_ACTIONS: &str = r#"
     )
     INSERT INTO handoff.outbox (operation_key) SELECT operation_key FROM actions"#;
 
+/// The payloads a backlog holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Payloads {
+    /// Follow-ups of about 110 bytes, as the seed's.
+    Small,
+    /// Follow-ups carrying a note of this many bytes (the relay hashes what it reads: a payload
+    /// that does not hash to the stored hash is blocked, and the drain's checks fail).
+    Large { note_bytes: usize },
+}
+
+impl Payloads {
+    /// The payload of action `i`, as JSON (what [`record_actions_of`] records for it).
+    pub fn payload(self, i: i64) -> serde_json::Value {
+        match self {
+            Payloads::Small => payload(i),
+            Payloads::Large { note_bytes } => {
+                let mut payload = payload(i);
+                payload["note"] = "x".repeat(note_bytes).into();
+                payload
+            }
+        }
+    }
+}
+
+/// Records `n` actions of `batch` starting at `first` in one statement, with `payloads`.
+pub async fn record_actions_of<'e>(
+    conn: impl sqlx::PgExecutor<'e>,
+    payloads: Payloads,
+    batch: &str,
+    first: i64,
+    n: i64,
+) -> Result<()> {
+    let note_bytes = match payloads {
+        Payloads::Small => 0,
+        Payloads::Large { note_bytes } => i32::try_from(note_bytes)?,
+    };
+    sqlx::query(RECORD_ACTIONS)
+        .bind(first)
+        .bind(first + n - 1)
+        .bind(KEY_PREFIX)
+        .bind(batch)
+        .bind(note_bytes)
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
 /// Records `n` actions of `batch` starting at `first` in one statement: on a pool they commit
 /// together; on a connection inside a transaction, with it.
 pub async fn record_actions<'e>(conn: impl sqlx::PgExecutor<'e>, batch: &str, first: i64, n: i64) -> Result<()> {
-    sqlx::query(RECORD_ACTIONS).bind(first).bind(first + n - 1).bind(KEY_PREFIX).bind(batch).execute(conn).await?;
-    Ok(())
+    record_actions_of(conn, Payloads::Small, batch, first, n).await
 }
 
 /// Proves that [`RECORD_ACTIONS`] stores the hash the Rust producer API computes.
@@ -74,17 +123,26 @@ pub async fn check_sql_hash(pool: &PgPool) -> Result<()> {
 
 /// The envelope the relay publishes for action `i` of `batch`, encoded and signed with `signing`.
 pub fn envelope(batch: &str, i: i64, signing: &SigningKey) -> Result<(String, Bytes)> {
-    let envelope = envelope_value(batch, i)?;
+    envelope_of(Payloads::Small, batch, i, signing)
+}
+
+/// [`envelope`] with `payloads`.
+pub fn envelope_of(payloads: Payloads, batch: &str, i: i64, signing: &SigningKey) -> Result<(String, Bytes)> {
+    let envelope = envelope_value_of(payloads, batch, i)?;
     Ok((envelope.key.to_string(), envelope.encode_signed(SCHEMA_VERSION, Some(signing))))
 }
 
 /// The envelope of action `i` of `batch`.
 pub fn envelope_value(batch: &str, i: i64) -> Result<Envelope> {
+    envelope_value_of(Payloads::Small, batch, i)
+}
+
+fn envelope_value_of(payloads: Payloads, batch: &str, i: i64) -> Result<Envelope> {
     let key: OperationKey = key(batch, i).parse()?;
     let now = Utc::now();
     Ok(Envelope {
         key,
-        payload: CanonicalPayload::new(payload(i))?,
+        payload: CanonicalPayload::new(payloads.payload(i))?,
         approval: Approval::new("user-17", now)?,
         source: "/handoff/bench".into(),
         time: now,

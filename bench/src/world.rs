@@ -341,6 +341,15 @@ impl World {
             .unwrap_or(handoff_relay::RelaySettings::default().workers)
     }
 
+    /// Rows per relay claim: `--relay-env HANDOFF_RELAY_BATCH_SIZE=..` or the relay's default.
+    pub fn relay_batch_size(&self) -> i64 {
+        self.relay_extra
+            .iter()
+            .find(|(k, _)| k == "HANDOFF_RELAY_BATCH_SIZE")
+            .and_then(|(_, v)| v.parse().ok())
+            .unwrap_or(handoff_relay::RelaySettings::default().batch_size)
+    }
+
     fn base_env(&self, db: &Database, stream: &str, subjects: &Subjects) -> Vec<(String, String)> {
         let log = std::env::var("HANDOFF_BENCH_SERVICE_LOG").unwrap_or_else(|_| "warn".into());
         [

@@ -68,7 +68,8 @@ pub struct ConsumerConfig {
     /// server is down nothing is delivered (README, "JetStream settings that matter").
     #[arg(long, env = "HANDOFF_CONSUMER_REPLICAS", value_name = "N", value_parser = consumer_replicas)]
     pub consumer_replicas: Option<ConsumerReplicas>,
-    /// Messages per transaction.
+    /// Messages per transaction. A pull also stops at 4 MiB (or the server's max_payload if
+    /// larger), so large payloads make smaller batches.
     #[arg(
         long,
         env = "HANDOFF_CONSUMER_BATCH_SIZE",

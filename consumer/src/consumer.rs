@@ -167,6 +167,18 @@ struct Incoming {
     delivered: i64,
 }
 
+/// What one pull asks the broker for at most, in bytes. A batch of small messages never reaches
+/// it (500 follow-ups are well under a MiB); messages near the 64 KiB payload limit end a pull after
+/// a few dozen, so a replica holds megabytes while it handles them, not 500 x 64 KiB parsed (a
+/// replica so fed peaked at 127 MiB).
+pub const PULL_MAX_BYTES: usize = 4 * 1024 * 1024;
+
+/// How the server ends a pull that reached its byte limit (a 409 status with this description).
+const PULL_FULL_STATUS: &str = "Message Size Exceeds MaxBytes";
+
+/// Room for a message's subject and headers above the server's `max_payload`.
+const PULL_HEADROOM_BYTES: usize = 64 * 1024;
+
 /// A consumer replica. Clone it for more in-process replicas of the same durable.
 #[derive(Debug, Clone)]
 pub struct Consumer<C> {
@@ -248,12 +260,31 @@ impl<C: Crm + 'static> Consumer<C> {
         &self.faults
     }
 
+    /// Bytes one pull asks the broker for at most: [`PULL_MAX_BYTES`], or more where the server
+    /// accepts larger messages (a message larger than a pull's limit would never be delivered).
+    fn pull_max_bytes(&self) -> usize {
+        PULL_MAX_BYTES.max(self.client.server_info().max_payload.saturating_add(PULL_HEADROOM_BYTES))
+    }
+
     /// Fetches up to one batch (waiting at most `wait`) and handles it. For tests and tools.
     pub async fn fetch_and_handle(&self, wait: Duration) -> anyhow::Result<Vec<Handled>> {
-        let mut batch = self.consumer.fetch().max_messages(self.settings.batch_size).expires(wait).messages().await?;
+        let mut batch = self
+            .consumer
+            .fetch()
+            .max_messages(self.settings.batch_size)
+            .max_bytes(self.pull_max_bytes())
+            .expires(wait)
+            .messages()
+            .await?;
         let mut messages = Vec::new();
         while let Some(message) = batch.next().await {
-            messages.push(message.map_err(|e| anyhow::anyhow!(e))?);
+            match message {
+                Ok(message) => messages.push(message),
+                // The pull reached its byte limit: the batch is complete (the pull stream of
+                // `fetch_until_stopped` takes this status as the end of a pull by itself).
+                Err(e) if e.to_string().contains(PULL_FULL_STATUS) => break,
+                Err(e) => return Err(anyhow::anyhow!(e)),
+            }
         }
         Ok(self.handle_batch(messages).await)
     }
@@ -727,6 +758,7 @@ impl<C: Crm + 'static> Consumer<C> {
                 .consumer
                 .stream()
                 .max_messages_per_batch(self.settings.batch_size)
+                .max_bytes_per_batch(self.pull_max_bytes())
                 .expires(self.settings.fetch_expires)
                 .messages()
                 .await;

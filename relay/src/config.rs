@@ -59,7 +59,8 @@ pub struct RelayConfig {
     /// Keep the stream in memory instead of files (tests only: loses data on restart).
     #[arg(long, env = "HANDOFF_STREAM_MEMORY", default_value_t = false)]
     pub stream_memory: bool,
-    /// Rows claimed per batch.
+    /// Rows claimed per batch. Each worker holds its claim's messages while it publishes them:
+    /// about batch size x payload size (lower it for payloads of tens of KiB).
     #[arg(long, env = "HANDOFF_RELAY_BATCH_SIZE", default_value_t = 1000, value_parser = clap::value_parser!(i64).range(1..=100_000))]
     pub batch_size: i64,
     /// Concurrent claim-publish-mark loops.

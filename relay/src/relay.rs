@@ -411,7 +411,7 @@ impl Relay {
         let mut outgoing = Vec::with_capacity(rows.len());
         let paused = self.paused.read().unwrap_or_else(|e| e.into_inner()).clone();
         let mut held_per_action: HashMap<String, u64> = HashMap::new();
-        for row in rows {
+        for mut row in rows {
             let action = action_type(&row.operation_key);
             if paused.contains(action) {
                 // Paused: hold it without counting this claim as an attempt.
@@ -427,6 +427,10 @@ impl Relay {
             }
             match self.prepare(&row) {
                 Ok((message, computed_hash)) => {
+                    // The envelope holds the payload now: a claim keeps one copy of each payload
+                    // while it is published, not two (a claim of 1,000 payloads near the 64 KiB
+                    // limit is 64 MiB less).
+                    drop(std::mem::take(&mut row.payload));
                     outgoing.push(message);
                     sendable.push((row, computed_hash));
                 }

@@ -193,6 +193,47 @@ async fn a_crm_store_already_holding_the_same_task_is_a_duplicate_recorded_as_ta
     );
 }
 
+/// Payloads near the size limit: one pull stops at its byte limit, well before a batch of
+/// messages, and the pulls that follow take the rest, each once.
+#[tokio::test]
+async fn a_pull_of_large_payloads_stops_at_its_byte_limit_and_the_next_pulls_take_the_rest() {
+    let env = TestEnv::start().await.unwrap();
+    let relay = env.relay(env.relay_settings()).await.unwrap();
+    let consumer = env.consumer(env.consumer_settings()).await.unwrap();
+    const ACTIONS: usize = 100;
+    let note = "x".repeat(60 * 1024);
+    for i in 0..ACTIONS {
+        handoff_relay::record_approved_action(
+            &mut env.producer_db.acquire().await.unwrap(),
+            &handoff_relay::ApprovedAction::parse(
+                &format!("harbor:create-followup:v1:case-{i}"),
+                serde_json::json!({"title": SEED_TITLE, "note": note}),
+                "user-17",
+                chrono::Utc::now(),
+            )
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    }
+    assert_eq!(relay.publish_batch().await.unwrap().published, ACTIONS);
+    assert!(env.consumer_settings().batch_size >= ACTIONS, "a pull could take every message");
+
+    let first = consumer.fetch_and_handle(WAIT).await.unwrap();
+    let per_pull = handoff_consumer::consumer::PULL_MAX_BYTES / note.len();
+    assert!(!first.is_empty() && first.len() <= per_pull, "{} messages in the first pull", first.len());
+    let mut handled = first.len();
+    while handled < ACTIONS {
+        let next = consumer.fetch_and_handle(WAIT).await.unwrap();
+        assert!(!next.is_empty() && next.len() <= per_pull, "{} messages in a pull", next.len());
+        assert!(next.iter().all(|h| matches!(h, Handled::Created { .. })), "{next:?}");
+        handled += next.len();
+    }
+    assert_eq!(handled, ACTIONS);
+    assert_eq!(env.tasks().await.unwrap(), ACTIONS as i64);
+    assert_eq!(env.stream_messages().await.unwrap(), ACTIONS as u64);
+}
+
 #[tokio::test]
 async fn two_keys_with_identical_payloads_make_two_tasks() {
     let env = TestEnv::start().await.unwrap();
