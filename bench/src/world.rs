@@ -334,20 +334,17 @@ impl World {
 
     /// Workers per relay process: `--relay-env HANDOFF_RELAY_WORKERS=..` or the relay's default.
     pub fn relay_workers(&self) -> usize {
-        self.relay_extra
-            .iter()
-            .find(|(k, _)| k == "HANDOFF_RELAY_WORKERS")
-            .and_then(|(_, v)| v.parse().ok())
-            .unwrap_or(handoff_relay::RelaySettings::default().workers)
+        self.relay_setting("HANDOFF_RELAY_WORKERS").unwrap_or(handoff_relay::RelaySettings::default().workers)
     }
 
     /// Rows per relay claim: `--relay-env HANDOFF_RELAY_BATCH_SIZE=..` or the relay's default.
     pub fn relay_batch_size(&self) -> i64 {
-        self.relay_extra
-            .iter()
-            .find(|(k, _)| k == "HANDOFF_RELAY_BATCH_SIZE")
-            .and_then(|(_, v)| v.parse().ok())
-            .unwrap_or(handoff_relay::RelaySettings::default().batch_size)
+        self.relay_setting("HANDOFF_RELAY_BATCH_SIZE").unwrap_or(handoff_relay::RelaySettings::default().batch_size)
+    }
+
+    /// The value `--relay-env` gives `key`, if it parses.
+    fn relay_setting<T: std::str::FromStr>(&self, key: &str) -> Option<T> {
+        self.relay_extra.iter().find(|(k, _)| k == key).and_then(|(_, v)| v.parse().ok())
     }
 
     fn base_env(&self, db: &Database, stream: &str, subjects: &Subjects) -> Vec<(String, String)> {
